@@ -1,0 +1,1 @@
+"""Queue consumers: the staleness policy, the Megatron-core trainer, the evaluator and offline replay."""

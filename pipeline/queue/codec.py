@@ -1,0 +1,181 @@
+"""The wire codec: a versioned msgpack envelope whose arrays travel as (dtype, shape, raw little-endian bytes).
+
+Never pickle: anything that can write to Redis could then run code in the trainer. Decoding trusts nothing: it
+checks the schema version, every dtype against the field's allowed set, byte counts against shapes, and the
+Sample's cross-field invariants, and raises ``SampleDecodeError`` naming the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from pipeline.errors import SampleDecodeError, SampleError
+from pipeline.queue.sample import ARRAY_DTYPES, MAX_REWARD_INFO_BYTES, Sample, SampleStatus, SamplingInfo
+
+#: Bump when the envelope changes incompatibly; decoders reject versions they do not know.
+SCHEMA_VERSION = 1
+KNOWN_SCHEMA_VERSIONS = frozenset({1})
+
+_SCALAR_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "sample_id": str,
+    "group_id": str,
+    "prompt_id": str,
+    "index": int,
+    "reward": (float, int),
+    "reward_info": dict,
+    "status": str,
+    "finish_reason": str,
+    "producer": str,
+    "engine": str,
+    "created_at": (float, int),
+    "sampling": dict,
+}
+_REQUIRED_ARRAYS = ("prompt_ids", "response_ids", "rollout_logprobs", "token_versions", "loss_mask")
+
+
+def _pack_array(arr: np.ndarray) -> list[Any]:
+    le = arr if arr.dtype.byteorder != ">" else arr.astype(arr.dtype.newbyteorder("<"))
+    return [le.dtype.str, list(le.shape), np.ascontiguousarray(le).tobytes()]
+
+
+def _sample_to_map(s: Sample) -> dict[str, Any]:
+    d: dict[str, Any] = {
+        "sample_id": s.sample_id,
+        "group_id": s.group_id,
+        "prompt_id": s.prompt_id,
+        "index": s.index,
+        "reward": s.reward,
+        "reward_info": s.reward_info,
+        "status": s.status.value,
+        "finish_reason": s.finish_reason,
+        "producer": s.producer,
+        "engine": s.engine,
+        "created_at": s.created_at,
+        "sampling": s.sampling.to_dict(),
+    }
+    for name in ARRAY_DTYPES:
+        arr = getattr(s, name)
+        if arr is not None:
+            d[name] = _pack_array(arr)
+    return d
+
+
+def encode_samples(samples: Sequence[Sample]) -> bytes:
+    """Encode a group of samples (one queue entry) into one msgpack payload."""
+    if not samples:
+        raise SampleError("cannot encode an empty group; a queue entry holds at least one sample")
+    maps = []
+    for s in samples:
+        if not isinstance(s, Sample):
+            raise SampleError(f"expected Sample, got {type(s).__name__}")
+        m = _sample_to_map(s)
+        if s.reward_info and len(msgpack.packb(s.reward_info)) > MAX_REWARD_INFO_BYTES:
+            raise SampleError(
+                f"reward_info of sample {s.sample_id} exceeds {MAX_REWARD_INFO_BYTES} bytes; keep it to a few "
+                "scalars (it rides in every queue entry)"
+            )
+        maps.append(m)
+    return msgpack.packb({"schema": SCHEMA_VERSION, "samples": maps}, use_bin_type=True)
+
+
+def _unpack_array(name: str, value: Any) -> np.ndarray:
+    if not (isinstance(value, list) and len(value) == 3):
+        raise SampleDecodeError(f"{name}: expected [dtype, shape, bytes], got {type(value).__name__}")
+    dtype_str, shape, raw = value
+    if not isinstance(dtype_str, str):
+        raise SampleDecodeError(f"{name}: dtype must be a string, got {type(dtype_str).__name__}")
+    try:
+        dtype = np.dtype(dtype_str)
+    except TypeError:
+        raise SampleDecodeError(f"{name}: unknown dtype {dtype_str!r}") from None
+    allowed = ARRAY_DTYPES[name]
+    if dtype not in allowed:
+        raise SampleDecodeError(f"{name}: dtype {dtype_str!r} is not allowed; expected one of {[d.str for d in allowed]}")
+    if not (isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape)):
+        raise SampleDecodeError(f"{name}: shape must be a list of non-negative ints, got {shape!r}")
+    if not isinstance(raw, bytes):
+        raise SampleDecodeError(f"{name}: data must be raw bytes, got {type(raw).__name__}")
+    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if len(raw) != expected:
+        raise SampleDecodeError(
+            f"{name}: {len(raw)} bytes do not match shape {shape} of {dtype_str} ({expected} bytes); truncated?"
+        )
+    return np.frombuffer(raw, dtype=dtype).reshape(shape)
+
+
+def _map_to_sample(m: Any) -> Sample:
+    if not isinstance(m, dict):
+        raise SampleDecodeError(f"expected a map per sample, got {type(m).__name__}")
+    known = set(_SCALAR_FIELDS) | set(ARRAY_DTYPES)
+    unknown = set(m) - known
+    if unknown:
+        raise SampleDecodeError(f"unknown fields {sorted(unknown)}; written by a newer sluice?")
+    for name, typ in _SCALAR_FIELDS.items():
+        if name not in m:
+            raise SampleDecodeError(f"{name}: missing")
+        v = m[name]
+        if not isinstance(v, typ) or isinstance(v, bool):
+            raise SampleDecodeError(f"{name}: expected {typ}, got {type(v).__name__}")
+    for name in _REQUIRED_ARRAYS:
+        if name not in m:
+            raise SampleDecodeError(f"{name}: missing")
+    arrays = {name: _unpack_array(name, m[name]) for name in ARRAY_DTYPES if name in m}
+    status = m["status"]
+    if status not in {s.value for s in SampleStatus}:
+        raise SampleDecodeError(f"status: {status!r} is not one of {[s.value for s in SampleStatus]}")
+    try:
+        return Sample(
+            prompt_ids=arrays["prompt_ids"],
+            response_ids=arrays["response_ids"],
+            rollout_logprobs=arrays["rollout_logprobs"],
+            token_versions=arrays["token_versions"],
+            loss_mask=arrays["loss_mask"],
+            routed_experts=arrays.get("routed_experts"),
+            reward=float(m["reward"]),
+            reward_info=m["reward_info"],
+            status=SampleStatus(status),
+            finish_reason=m["finish_reason"],
+            sample_id=m["sample_id"],
+            group_id=m["group_id"],
+            prompt_id=m["prompt_id"],
+            index=m["index"],
+            producer=m["producer"],
+            engine=m["engine"],
+            created_at=float(m["created_at"]),
+            sampling=SamplingInfo.from_dict(m["sampling"]),
+        )
+    except SampleDecodeError:
+        raise
+    except SampleError as e:
+        raise SampleDecodeError(str(e)) from None
+
+
+def decode_samples(data: bytes) -> list[Sample]:
+    """Decode one queue entry's payload; raises SampleDecodeError on anything malformed."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise SampleDecodeError(f"payload must be bytes, got {type(data).__name__}")
+    try:
+        env = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+    except Exception as e:  # msgpack raises several unrelated types for corrupt input
+        raise SampleDecodeError(f"payload is not valid msgpack: {type(e).__name__}: {e}") from None
+    if not isinstance(env, dict) or "schema" not in env or "samples" not in env:
+        raise SampleDecodeError("payload is not a sluice envelope (needs 'schema' and 'samples')")
+    if env["schema"] not in KNOWN_SCHEMA_VERSIONS:
+        raise SampleDecodeError(
+            f"schema version {env['schema']!r} is unknown (this sluice reads {sorted(KNOWN_SCHEMA_VERSIONS)}); "
+            "upgrade sluice to read it"
+        )
+    samples = env["samples"]
+    if not isinstance(samples, list) or not samples:
+        raise SampleDecodeError("samples: expected a non-empty list")
+    out = []
+    for i, m in enumerate(samples):
+        try:
+            out.append(_map_to_sample(m))
+        except SampleDecodeError as e:
+            raise SampleDecodeError(f"sample[{i}] {e}") from None
+    return out
