@@ -41,7 +41,8 @@ def connect(url: str, **kwargs: Any) -> redis.Redis:
     scheme = urlsplit(url).scheme
     if scheme not in ("redis", "rediss", "unix"):
         raise QueueError(f"unsupported Redis URL scheme {scheme!r} in {redact_url(url)}; use redis://, rediss:// or unix://")
-    opts: dict[str, Any] = {"protocol": 2, "retry": DEFAULT_RETRY, "socket_keepalive": True,
-                            "health_check_interval": 30}
+    opts: dict[str, Any] = {"protocol": 2, "retry": DEFAULT_RETRY, "health_check_interval": 30}
+    if scheme != "unix":
+        opts["socket_keepalive"] = True  # detect a dead peer on long blocking reads; unix sockets lack the option
     opts.update(kwargs)
     return redis.Redis.from_url(url, **opts)

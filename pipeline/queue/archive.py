@@ -1,0 +1,297 @@
+"""The archive: Parquet segments of the queue, written by a consumer group and read back for offline replay.
+
+A segment is the commit point. It is written to a temporary file, fsynced, renamed into place and the folder
+fsynced; only then are its entries acked in the ``archive`` group. Each segment carries its stream-id and
+policy-version range in its Parquet metadata, so ``index.json`` is only a cache that can always be rebuilt from the
+segments. A crash between rename and ack re-delivers entries that are already archived; the archiver recognises them
+by id (every id up to the newest segment's last id is archived) and acks them without writing them twice.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.errors import QueueError
+from pipeline.queue.arrow import SAMPLE_SCHEMA, samples_to_table, table_to_samples
+from pipeline.queue.base import QueueEntry
+from pipeline.queue.redis_streams import SampleQueue
+from pipeline.queue.sample import Sample
+
+log = logging.getLogger(__name__)
+
+INDEX_FILE = "index.json"
+StreamId = tuple[int, int]
+
+
+def parse_id(entry_id: str) -> StreamId:
+    """A stream id "ms-seq" as a tuple that orders like Redis orders ids."""
+    try:
+        ms, _, seq = entry_id.partition("-")
+        return int(ms), int(seq or 0)
+    except ValueError:
+        raise QueueError(f"{entry_id!r} is not a stream id (expected 'milliseconds-sequence')") from None
+
+
+@dataclass(frozen=True)
+class SegmentInfo:
+    """One Parquet segment and the ranges it covers."""
+
+    name: str
+    first_id: str
+    last_id: str
+    entries: int
+    samples: int
+    version_min: int
+    version_max: int
+
+    def to_metadata(self) -> dict[bytes, bytes]:
+        return {b"sluice.segment": json.dumps(asdict(self)).encode()}
+
+    @classmethod
+    def from_parquet(cls, path: Path) -> SegmentInfo:
+        meta = pq.read_schema(path).metadata or {}
+        raw = meta.get(b"sluice.segment")
+        if raw is None:
+            raise QueueError(f"{path.name} has no sluice segment metadata; not written by sluice's archiver?")
+        return cls(**json.loads(raw))
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class ArchiveWriter:
+    """Writes queue entries as durable Parquet segments in one folder and keeps its index."""
+
+    def __init__(self, folder: str | Path, compression: str = "zstd") -> None:
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.compression = compression
+
+    def write_segment(self, entries: Sequence[QueueEntry]) -> SegmentInfo:
+        if not entries:
+            raise QueueError("a segment needs at least one entry")
+        samples = [s for e in entries for s in e.samples]
+        stream_ids = [e.id for e in entries for _ in e.samples]
+        versions = [v for s in samples for v in (s.version_min, s.version_max) if v is not None]
+        info = SegmentInfo(
+            name=f"seg-{parse_id(entries[0].id)[0]:015d}-{parse_id(entries[0].id)[1]:06d}.parquet",
+            first_id=entries[0].id,
+            last_id=entries[-1].id,
+            entries=len(entries),
+            samples=len(samples),
+            version_min=min(versions) if versions else -1,
+            version_max=max(versions) if versions else -1,
+        )
+        table = samples_to_table(samples, stream_ids)
+        table = table.replace_schema_metadata({**(table.schema.metadata or {}), **info.to_metadata()})
+        final = self.folder / info.name
+        tmp = self.folder / f".{info.name}.tmp"
+        with open(tmp, "wb") as f:
+            pq.write_table(table, f, compression=self.compression)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        _fsync_dir(self.folder)
+        self._update_index(info)
+        return info
+
+    def _update_index(self, info: SegmentInfo) -> None:
+        segments = [s for s in load_index(self.folder) if s.name != info.name] + [info]
+        segments.sort(key=lambda s: parse_id(s.first_id))
+        tmp = self.folder / f".{INDEX_FILE}.tmp"
+        tmp.write_text(json.dumps([asdict(s) for s in segments], indent=1))
+        os.replace(tmp, self.folder / INDEX_FILE)
+
+
+def load_index(folder: str | Path) -> list[SegmentInfo]:
+    """The segments of an archive in stream order; rebuilt from the Parquet files when the index is stale."""
+    folder = Path(folder)
+    files = {p.name for p in folder.glob("seg-*.parquet")}
+    index_path = folder / INDEX_FILE
+    cached: list[SegmentInfo] = []
+    if index_path.exists():
+        try:
+            cached = [SegmentInfo(**d) for d in json.loads(index_path.read_text())]
+        except (ValueError, TypeError):
+            cached = []
+    if {s.name for s in cached} != files:
+        cached = [SegmentInfo.from_parquet(folder / name) for name in files]
+    return sorted(cached, key=lambda s: parse_id(s.first_id))
+
+
+class ArchiveReader:
+    """Reads an archive folder back as Samples, in stream order, with optional id and version filters."""
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        if not self.folder.is_dir():
+            raise QueueError(f"archive folder {self.folder} does not exist")
+        self.segments = load_index(self.folder)
+
+    def table(self) -> pa.Table:
+        """All segments as one Arrow table (SAMPLE_SCHEMA)."""
+        tables = [pq.read_table(self.folder / s.name) for s in self.segments]
+        return pa.concat_tables(tables) if tables else SAMPLE_SCHEMA.empty_table()
+
+    def entries(
+        self,
+        id_range: tuple[str | None, str | None] | None = None,
+        version_range: tuple[int | None, int | None] | None = None,
+    ) -> Iterator[tuple[str, Sample]]:
+        """(stream id, sample) pairs, in stream order.
+
+        ``id_range`` is inclusive on both ends. ``version_range`` keeps samples whose every token was produced by a
+        policy version inside it (version_min >= lo and version_max <= hi).
+        """
+        lo_id = parse_id(id_range[0]) if id_range and id_range[0] else None
+        hi_id = parse_id(id_range[1]) if id_range and id_range[1] else None
+        lo_v = version_range[0] if version_range else None
+        hi_v = version_range[1] if version_range else None
+        for seg in self.segments:
+            if (lo_id and parse_id(seg.last_id) < lo_id) or (hi_id and parse_id(seg.first_id) > hi_id):
+                continue
+            if (lo_v is not None and seg.version_max < lo_v) or (hi_v is not None and seg.version_min > hi_v):
+                continue
+            for stream_id, sample in table_to_samples(pq.read_table(self.folder / seg.name)):
+                sid = parse_id(stream_id) if stream_id else None
+                if sid is not None and ((lo_id and sid < lo_id) or (hi_id and sid > hi_id)):
+                    continue
+                vmin, vmax = sample.version_min, sample.version_max
+                if lo_v is not None and (vmin is None or vmin < lo_v):
+                    continue
+                if hi_v is not None and (vmax is None or vmax > hi_v):
+                    continue
+                yield stream_id or "", sample
+
+    def samples(self, **filters: Any) -> Iterator[Sample]:
+        for _, sample in self.entries(**filters):
+            yield sample
+
+
+class Archiver:
+    """The ``archive`` consumer group's worker: reads entries, writes segments, acks after each durable rename.
+
+    One archiver per folder (an flock on ``.lock`` enforces it), since recognising already-archived entries after a
+    crash relies on one writer seeing the group's entries in stream order.
+    """
+
+    def __init__(
+        self,
+        queue: SampleQueue,
+        folder: str | Path,
+        *,
+        group: str = "archive",
+        consumer: str = "archiver",
+        segment_samples: int = 4096,
+        flush_interval_s: float = 30.0,
+        block_ms: int = 1000,
+    ) -> None:
+        self.queue = queue
+        self.writer = ArchiveWriter(folder)
+        self.folder = self.writer.folder
+        self.group, self.consumer = group, consumer
+        self.segment_samples = segment_samples
+        self.flush_interval_s = flush_interval_s
+        self.block_ms = block_ms
+        self._buffer: list[QueueEntry] = []
+        self._buffer_since = time.monotonic()
+        self._lock_fd: int | None = None
+        self.segments_written = 0
+
+    def _acquire_lock(self) -> None:
+        fd = os.open(self.folder / ".lock", os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise QueueError(f"another archiver holds {self.folder}; run one archiver per archive folder") from None
+        self._lock_fd = fd
+
+    def close(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def recover(self) -> int:
+        """Take back this consumer's pending entries (and dead archivers'), acking those already archived."""
+        self.queue.create_group(self.group, "0")
+        segments = load_index(self.folder)
+        archived_upto = parse_id(segments[-1].last_id) if segments else (-1, -1)
+        pending = self.queue.read_pending(self.group, self.consumer)
+        pending += self.queue.claim_stale(self.group, self.consumer, min_idle_ms=60_000)
+        done = [e.id for e in pending if parse_id(e.id) <= archived_upto]
+        self.queue.ack(self.group, done)
+        todo = sorted((e for e in pending if parse_id(e.id) > archived_upto), key=lambda e: parse_id(e.id))
+        self._buffer.extend(todo)
+        return len(done)
+
+    def step(self) -> int:
+        """Read once (blocking up to block_ms), write every full segment, and a partial one if it is old."""
+        entries = self.queue.read(self.group, self.consumer, count=256, block_ms=self.block_ms)
+        if entries and not self._buffer:
+            self._buffer_since = time.monotonic()
+        self._buffer.extend(entries)
+        while self._take_full_segment():
+            pass
+        if self._buffer and time.monotonic() - self._buffer_since >= self.flush_interval_s:
+            self.flush()
+        return len(entries)
+
+    def _take_full_segment(self) -> bool:
+        n = 0
+        for i, entry in enumerate(self._buffer):
+            n += len(entry.samples)
+            if n >= self.segment_samples:
+                self._write(self._buffer[: i + 1])
+                self._buffer = self._buffer[i + 1 :]
+                self._buffer_since = time.monotonic()
+                return True
+        return False
+
+    def flush(self) -> SegmentInfo | None:
+        """Write whatever is buffered as one segment."""
+        if not self._buffer:
+            return None
+        info = self._write(self._buffer)
+        self._buffer = []
+        return info
+
+    def _write(self, entries: list[QueueEntry]) -> SegmentInfo:
+        info = self.writer.write_segment(entries)
+        # Ack strictly after the rename and directory fsync: an acked entry is always on disk.
+        self.queue.ack(self.group, [e.id for e in entries])
+        self.segments_written += 1
+        log.info("archived %d samples (%s..%s) to %s", info.samples, info.first_id, info.last_id, info.name)
+        return info
+
+    def run(self, stop: threading.Event | None = None, idle_exit_s: float | None = None) -> None:
+        """Archive until ``stop`` is set (or, with ``idle_exit_s``, until nothing arrives for that long)."""
+        self._acquire_lock()
+        try:
+            self.recover()
+            idle_since = time.monotonic()
+            while stop is None or not stop.is_set():
+                if self.step():
+                    idle_since = time.monotonic()
+                elif idle_exit_s is not None and time.monotonic() - idle_since >= idle_exit_s:
+                    break
+            self.flush()
+        finally:
+            self.close()
