@@ -143,6 +143,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_dataclass_args(p: argparse.ArgumentParser, module: str, name: str) -> None:
+    """One --flag per field of a (light) parameter dataclass, so defaults live in one place."""
+    import dataclasses
+    import importlib
+
+    cls = getattr(importlib.import_module(module), name)
+    for f in dataclasses.fields(cls):
+        p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=type(f.default), default=f.default,
+                       help=f"(default {f.default})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice", description="Asynchronous RL post-training around a durable queue.")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -176,16 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = bench.add_subparsers(dest="bench_cmd", required=True)
     p = bsub.add_parser("queue", help="SampleQueue put+read+ack vs raw redis-py streams")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--samples", type=int, default=256)
-    p.add_argument("--group-size", dest="group_size", type=int, default=8)
-    p.add_argument("--prompt-tokens", dest="prompt_tokens", type=int, default=256)
-    p.add_argument("--response-tokens", dest="response_tokens", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=48)
-    p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--num-experts", dest="num_experts", type=int, default=128)
-    p.add_argument("--batch-entries", dest="batch_entries", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--appendfsync", choices=["always", "everysec", "no"], default="everysec")
+    _add_dataclass_args(p, "pipeline.benchmarks.queue", "QueueBenchParams")
     p.set_defaults(func=cmd_bench_queue)
     return parser
 

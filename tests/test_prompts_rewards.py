@@ -1,0 +1,131 @@
+"""Prompt sources, the shared prompt cursor, admission pacing and reward functions."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import threading
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import redis
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.consumers.staleness import may_admit
+from pipeline.errors import ConfigError
+from pipeline.producers.producer import _ADMIT
+from pipeline.producers.prompts import Prompt, PromptConfig, PromptCursor, load_jsonl, setup_prompts, synthetic
+from pipeline.producers.rewards import integer_match, prefix_match, resolve_reward, score
+from pipeline.queue.keys import RunKeys
+
+sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
+
+
+def test_synthetic_tasks_are_deterministic_and_answerable() -> None:
+    a, b = synthetic("addition", size=50, seed=3), synthetic("addition", size=50, seed=3)
+    assert [a[i] for i in range(50)] == [b[i] for i in range(50)]
+    for i in range(50):
+        x, y = a[i].text.rstrip("=").split("+")
+        assert int(a[i].answer) == int(x) + int(y)
+    rev = synthetic("reverse", size=5)
+    assert rev[0].answer == rev[0].text.split(" ")[1].rstrip(":")[::-1]
+    assert a[50].prompt_id == a[0].prompt_id  # epochs wrap
+    with pytest.raises(ConfigError, match="unknown synthetic task"):
+        synthetic("chess")
+
+
+def test_jsonl_and_parquet_sources(tmp_path: Path) -> None:
+    rows = [{"id": "a", "prompt": "1+1=", "answer": "2", "level": 1}, {"id": "b", "input_ids": [5, 6], "answer": "x"}]
+    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    src = load_jsonl(tmp_path / "p.jsonl")
+    assert len(src) == 2 and src[0].text == "1+1=" and src[0].metadata == {"level": 1}
+    assert src[1].input_ids == (5, 6) and src[1].text is None
+    pq.write_table(pa.Table.from_pylist([{"id": "a", "prompt": "2+2=", "answer": "4"}]), tmp_path / "p.parquet")
+    par = setup_prompts(PromptConfig(type="parquet", path=tmp_path / "p.parquet"))
+    assert par[0] == Prompt(prompt_id="a", text="2+2=", answer="4")
+    (tmp_path / "bad.jsonl").write_text('{"id": 1}\n{not json\n')
+    with pytest.raises(ConfigError, match="neither 'prompt' nor 'input_ids'"):
+        load_jsonl(tmp_path / "bad.jsonl")
+    with pytest.raises(ConfigError, match="needs prompts.path"):
+        setup_prompts(PromptConfig(type="jsonl"))
+    with pytest.raises(ConfigError, match="not found"):
+        load_jsonl(tmp_path / "missing.jsonl")
+
+
+def test_cursor_hands_out_each_index_once_across_producers(redis_client: redis.Redis, run_name: str) -> None:
+    taken: list[int] = []
+    lock = threading.Lock()
+
+    def producer() -> None:
+        cur = PromptCursor(redis_client, run_name)
+        for _ in range(50):
+            i, _ = cur.next()
+            with lock:
+                taken.append(i)
+
+    threads = [threading.Thread(target=producer) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(taken) == list(range(200))
+    cur = PromptCursor(redis_client, run_name)
+    cur.give_back(7)
+    assert cur.next() == (7, True) and cur.next() == (200, False) and cur.position() == 201
+
+
+@settings(max_examples=40, deadline=None)
+@given(version=st.integers(0, 20), max_lag=st.integers(0, 4), batch=st.integers(1, 8), started=st.integers(0, 200))
+def test_atomic_admission_matches_the_pure_rule(redis_url: str, version: int, max_lag: int, batch: int,
+                                                started: int) -> None:
+    client = redis.Redis.from_url(redis_url, protocol=2)
+    keys = RunKeys("admission-prop")
+    client.set(keys.policy_version, version)
+    client.set(keys.extra("groups_started"), started)
+    admit = client.register_script(_ADMIT)
+    got = int(admit(keys=[keys.policy_version, keys.extra("groups_started")], args=[max_lag, batch]))
+    assert (got >= 0) == may_admit(started, version, max_lag, batch)
+    assert int(client.get(keys.extra("groups_started"))) == started + (1 if got >= 0 else 0)
+
+
+def test_builtin_rewards() -> None:
+    p = Prompt(prompt_id="x", text="12+30=", answer="42")
+    assert integer_match(p, "42\n") == (1.0, {"pass": True, "parsed": True})
+    assert integer_match(p, "41") == (0.1, {"pass": False, "parsed": True})
+    assert integer_match(p, "forty") == (0.0, {"pass": False, "parsed": False})
+    assert resolve_reward("exact_match")(p, " 42 \nmore") == (1.0, {"pass": True})
+    c = Prompt(prompt_id="c", text="copy abcd:", answer="abcd")
+    assert prefix_match(c, "abxd")[0] == 0.75
+
+
+def test_user_rewards_resolve_and_are_checked_at_startup() -> None:
+    assert resolve_reward("user_rewards:length_reward")(None, "abc") == 3.0  # type: ignore[arg-type]
+    for spec, match in [("nope", "neither a built-in"), ("user_rewards:missing", "no attribute"),
+                        ("no_such_module:f", "cannot import"), ("user_rewards:NOT_CALLABLE", "not callable"),
+                        ("user_rewards:wrong_signature", "must accept")]:
+        with pytest.raises(ConfigError, match=match):
+            resolve_reward(spec)
+
+
+def test_failing_rewards_mark_the_sample_failed_and_do_not_raise() -> None:
+    p = Prompt(prompt_id="x", text="q", answer="a")
+
+    async def run() -> list:
+        return await asyncio.gather(
+            score(resolve_reward("user_rewards:raising_reward"), p, "r", 5.0),
+            score(resolve_reward("user_rewards:slow_reward"), p, "r", 0.2),
+            score(resolve_reward("user_rewards:nan_reward"), p, "r", 5.0),
+            score(resolve_reward("user_rewards:async_reward"), p, "r", 5.0),
+            score(resolve_reward("exact_match"), Prompt(prompt_id="n", text="q"), "r", 5.0),  # no answer
+        )
+
+    raising, slow, nan, ok, no_answer = asyncio.run(run())
+    assert raising.failed and "verifier crashed on purpose" in raising.info["error"]
+    assert slow.failed and "timed out" in slow.info["error"]
+    assert nan.failed and "nan" in nan.info["error"]
+    assert not ok.failed and ok.reward == 0.5 and ok.info == {"seen": "r"}
+    assert no_answer.failed and "no answer" in no_answer.info["error"]
