@@ -1,0 +1,713 @@
+"""Async HTTP client for SGLang 0.5.23's native API (and sluice's CPU engine, which speaks the same protocol).
+
+``SGLangClient`` talks to one engine; ``EnginePool`` spreads generations over several, least-loaded first, and routes
+around engines that stop answering. Retries go through an explicit ``Retry`` object, never an implicit loop.
+
+Field names and formats follow SGLang's ``http_server.py``/``io_struct.py`` (see the project's FACTS.md):
+``output_token_logprobs`` is a list of ``[logprob, token_id, text]``, ``weight_versions`` spans have an exclusive
+``end``, and ``routed_experts`` is base64 of little-endian int32 shaped ``[P + R - 1 - start_len, layers, topk]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+import random
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Literal, Protocol, TypeVar
+
+import aiohttp
+import numpy as np
+
+from pipeline.errors import EngineError
+from pipeline.producers.base import GenerateResult, VersionSpan
+from pipeline.sync.base import EngineReply
+
+_T = TypeVar("_T")
+
+
+class EngineUnavailableError(EngineError):
+    """The engine did not answer: connection refused or reset, timed out, or a 5xx status. Worth retrying elsewhere."""
+
+
+class EngineRequestError(EngineError):
+    """The engine refused the request (a 4xx status); sending it again, anywhere, gives the same answer."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Retry policy (redis-py style: a backoff object, a retry count, and the errors that are worth retrying)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class Backoff(Protocol):
+    """How long to wait before the next attempt, given how many attempts have failed so far."""
+
+    def compute(self, failures: int) -> float:
+        """Seconds to sleep after ``failures`` consecutive failures (``failures >= 1``)."""
+        ...
+
+
+@dataclass(frozen=True)
+class ExponentialBackoff:
+    """``base * 2**(failures-1)`` seconds, capped, with jitter so that many clients do not retry in lockstep."""
+
+    base: float = 0.05
+    cap: float = 5.0
+    jitter: bool = True
+
+    def compute(self, failures: int) -> float:
+        """Seconds to sleep after ``failures`` consecutive failures."""
+        delay = min(self.cap, self.base * 2.0 ** max(0, failures - 1))
+        return delay * random.uniform(0.5, 1.0) if self.jitter else delay
+
+
+@dataclass(frozen=True)
+class Retry:
+    """Retry ``retries`` more times on the ``retry_on`` errors, sleeping ``backoff.compute(n)`` after failure n."""
+
+    backoff: Backoff = field(default_factory=ExponentialBackoff)
+    retries: int = 3
+    retry_on: tuple[type[BaseException], ...] = (EngineUnavailableError,)
+
+    async def call(
+        self,
+        attempt: Callable[[], Awaitable[_T]],
+        on_failure: Callable[[BaseException], None] | None = None,
+    ) -> _T:
+        """Run ``attempt`` until it succeeds, fails with an error outside ``retry_on``, or the retries run out."""
+        failures = 0
+        while True:
+            try:
+                return await attempt()
+            except self.retry_on as exc:
+                failures += 1
+                if on_failure is not None:
+                    on_failure(exc)
+                if failures > self.retries:
+                    raise
+                await asyncio.sleep(self.backoff.compute(failures))
+
+
+NO_RETRY = Retry(retries=0)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Typed results
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What ``/model_info`` says about the served model."""
+
+    model_path: str | None
+    weight_version: str
+    moe_layers: int | None
+    """Number of MoE layers, when the engine reports it (sluice's CPU engine does; SGLang does not)."""
+    topk: int | None
+    """Experts per token, when the engine reports it."""
+    raw: Mapping[str, Any]
+
+
+# Keys under which an engine may report its MoE shape in /model_info; the first present wins.
+_LAYER_KEYS = ("num_moe_layers", "moe_layers")
+_TOPK_KEYS = ("topk", "moe_topk", "num_experts_per_tok")
+
+
+@dataclass
+class _Response:
+    status: int
+    body: Any
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# One engine
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class SGLangClient:
+    """Async client of one SGLang-protocol engine at ``base_url``.
+
+    ``retry`` applies to reads and generations. Weight endpoints are never retried: each one is half of a collective
+    with the trainer, and repeating it would leave the engine waiting for a broadcast that is not coming.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout: float = 600.0,
+        connect_timeout: float = 5.0,
+        health_timeout: float = 5.0,
+        weight_timeout: float = 1800.0,
+        retry: Retry | None = None,
+        routed_experts_shape: tuple[int, int] | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self.health_timeout = health_timeout
+        self.weight_timeout = weight_timeout
+        self.retry = retry if retry is not None else Retry()
+        self._moe_shape = routed_experts_shape
+        self._session: aiohttp.ClientSession | None = None
+        self.in_flight = 0
+        """Generations sent and not yet answered (counted here, client-side, for least-loaded routing)."""
+
+    @property
+    def name(self) -> str:
+        """The engine's base URL, used in error messages."""
+        return self.base_url
+
+    def __repr__(self) -> str:
+        return f"SGLangClient({self.base_url!r}, in_flight={self.in_flight})"
+
+    async def __aenter__(self) -> SGLangClient:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the HTTP session."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # ---- generation -------------------------------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: Mapping[str, Any],
+        *,
+        return_logprob: bool = True,
+        return_routed_experts: bool = False,
+        routed_experts_start_len: int = 0,
+        rid: str | None = None,
+    ) -> GenerateResult:
+        """Generate one sequence for one prompt (``sampling_params["n"]`` must be 1; use ``generate_many`` for more)."""
+        if int(sampling_params.get("n", 1)) != 1:
+            raise EngineRequestError("generate() returns one sequence; call generate_many() for n > 1")
+        results = await self.generate_many(
+            [input_ids],
+            sampling_params,
+            return_logprob=return_logprob,
+            return_routed_experts=return_routed_experts,
+            routed_experts_start_len=routed_experts_start_len,
+            rids=None if rid is None else [rid],
+        )
+        return results[0]
+
+    async def generate_many(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling_params: Mapping[str, Any],
+        *,
+        return_logprob: bool = True,
+        return_routed_experts: bool = False,
+        routed_experts_start_len: int = 0,
+        rids: Sequence[str] | None = None,
+    ) -> list[GenerateResult]:
+        """Generate ``n`` sequences for each prompt in one request; results are prompt-major (``i * n + j``)."""
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise EngineRequestError("every prompt needs at least one token")
+        body: dict[str, Any] = {
+            "input_ids": [list(map(int, p)) for p in prompts],
+            "sampling_params": dict(sampling_params),
+            "return_logprob": return_logprob,
+            "logprob_start_len": -1,
+            "return_routed_experts": return_routed_experts,
+        }
+        if return_routed_experts:
+            body["routed_experts_start_len"] = routed_experts_start_len
+        if rids is not None:
+            body["rid"] = list(rids)
+        shape = await self.routed_experts_shape() if return_routed_experts else None
+        answer = await self.generate_raw(body)
+        items = answer if isinstance(answer, list) else [answer]
+        n = int(sampling_params.get("n", 1))
+        if len(items) != len(prompts) * n:
+            raise EngineError(
+                f"engine {self.name} answered {len(items)} sequences for {len(prompts)} prompts x n={n}; "
+                "is it an SGLang-protocol engine?"
+            )
+        return [
+            self._decode(
+                item, len(prompts[i // n]), shape, routed_experts_start_len, return_logprob, return_routed_experts
+            )
+            for i, item in enumerate(items)
+        ]
+
+    async def generate_raw(self, body: Mapping[str, Any]) -> Any:
+        """POST ``body`` to ``/generate`` as is and return the decoded JSON (retried per ``self.retry``)."""
+        self.in_flight += 1
+        try:
+            response = await self.retry.call(lambda: self._request("POST", "/generate", body, self.timeout))
+        finally:
+            self.in_flight -= 1
+        return response.body
+
+    def _decode(
+        self,
+        item: Mapping[str, Any],
+        prompt_len: int,
+        shape: tuple[int, int] | None,
+        routed_start: int,
+        want_logprobs: bool,
+        want_routing: bool,
+    ) -> GenerateResult:
+        try:
+            meta = item["meta_info"]
+            output_ids = np.asarray(item["output_ids"], dtype=np.int32)
+            if int(meta.get("prompt_tokens", prompt_len)) != prompt_len:
+                # Results of a batched request are matched to prompts by position (prompt-major, as SGLang's
+                # tokenizer manager sends them); a length that disagrees means that order does not hold.
+                raise ValueError(f"prompt_tokens is {meta['prompt_tokens']} but the prompt has {prompt_len} tokens")
+            finish = meta.get("finish_reason") or {}
+            logprobs = _decode_logprobs(meta, output_ids) if want_logprobs else None
+            spans = _decode_spans(meta, len(output_ids))
+            experts = None
+            if want_routing:
+                routed = meta.get("routed_experts")
+                if routed is None:
+                    raise ValueError("routed_experts is missing; start SGLang with --enable-return-routed-experts")
+                rows = prompt_len + len(output_ids) - 1 - routed_start
+                experts = _decode_routed_experts(routed, rows, shape)
+            return GenerateResult(
+                output_ids=output_ids,
+                text=str(item.get("text", "")),
+                output_logprobs=logprobs,
+                finish_reason=str(finish.get("type", "unknown")) if isinstance(finish, Mapping) else str(finish),
+                finish_detail=dict(finish) if isinstance(finish, Mapping) else {"type": str(finish)},
+                prompt_tokens=prompt_len,
+                completion_tokens=int(meta.get("completion_tokens", len(output_ids))),
+                weight_version=str(meta.get("weight_version", "")),
+                weight_versions=spans,
+                routed_experts=experts,
+                rid=meta.get("id"),
+                engine=self.name,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise EngineError(f"engine {self.name} sent a /generate answer sluice cannot read: {exc!r}") from exc
+
+    # ---- model / health ---------------------------------------------------------------------------------------------
+
+    async def health(self) -> bool:
+        """True when ``/health`` answers 200 within ``health_timeout``; never raises."""
+        try:
+            response = await self._request("GET", "/health", None, self.health_timeout)
+        except EngineError:
+            return False
+        return response.status == 200
+
+    async def model_info(self) -> ModelInfo:
+        """``/model_info`` (``/get_model_info`` on SGLang releases that only have the old name)."""
+        try:
+            response = await self.retry.call(lambda: self._request("GET", "/model_info", None, self.timeout))
+        except EngineRequestError as exc:
+            if exc.status != 404:
+                raise
+            response = await self.retry.call(lambda: self._request("GET", "/get_model_info", None, self.timeout))
+        raw = response.body if isinstance(response.body, Mapping) else {}
+        return ModelInfo(
+            model_path=raw.get("model_path"),
+            weight_version=str(raw.get("weight_version", "")),
+            moe_layers=_first_int(raw, _LAYER_KEYS),
+            topk=_first_int(raw, _TOPK_KEYS),
+            raw=raw,
+        )
+
+    async def weight_version(self) -> str:
+        """The engine's current ``weight_version``."""
+        return (await self.model_info()).weight_version
+
+    async def routed_experts_shape(self) -> tuple[int, int]:
+        """``(layers, topk)`` of ``routed_experts``: from the constructor, else from ``/model_info`` (asked once)."""
+        if self._moe_shape is None:
+            info = await self.model_info()
+            if info.moe_layers is None or info.topk is None:
+                raise EngineError(
+                    f"engine {self.name} does not report its MoE shape in /model_info (real SGLang does not); "
+                    "pass routed_experts_shape=(num_moe_layers, topk) to SGLangClient"
+                )
+            self._moe_shape = (info.moe_layers, info.topk)
+        return self._moe_shape
+
+    async def get_load(self) -> Any:
+        """``/get_load`` as the engine reports it (SGLang and the CPU engine use different fields; see their docs)."""
+        return (await self.retry.call(lambda: self._request("GET", "/get_load", None, self.timeout))).body
+
+    async def flush_cache(self) -> EngineReply:
+        """Drop the prefix cache (SGLang refuses while requests are running)."""
+        response = await self._request("POST", "/flush_cache", None, self.timeout, accept_4xx=True)
+        return _reply(response)
+
+    async def pause_generation(self, mode: Literal["abort", "retract", "in_place"] = "abort") -> EngineReply:
+        """Stop scheduling: ``abort`` ends in-flight requests, ``retract``/``in_place`` keep them to continue later."""
+        response = await self._request("POST", "/pause_generation", {"mode": mode}, self.timeout, accept_4xx=True)
+        return _reply(response)
+
+    async def continue_generation(self) -> EngineReply:
+        """Resume after ``pause_generation``."""
+        response = await self._request("POST", "/continue_generation", {}, self.timeout, accept_4xx=True)
+        return _reply(response)
+
+    # ---- weight endpoints (pipeline.sync.base.WeightUpdateEngine) ---------------------------------------------------
+
+    async def init_weights_update_group(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+    ) -> EngineReply:
+        """Make the engine join the weight group; returns once it has joined (the trainer must be joining too)."""
+        body = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        return await self._weight_call("/init_weights_update_group", body)
+
+    async def begin_weight_update(self) -> EngineReply:
+        """Open the update window."""
+        return await self._weight_call("/begin_weight_update", {"selector": "all"})
+
+    async def update_weights_from_distributed(
+        self,
+        *,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        flush_cache: bool,
+        weight_version: str | None,
+        abort_all_requests: bool = False,
+    ) -> EngineReply:
+        """Announce one bucket; the engine answers after receiving and loading every tensor in it."""
+        body: dict[str, Any] = {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+            "weight_version": weight_version,
+        }
+        return await self._weight_call("/update_weights_from_distributed", body)
+
+    async def end_weight_update(self) -> EngineReply:
+        """Close the update window."""
+        return await self._weight_call("/end_weight_update", {})
+
+    async def destroy_weights_update_group(self, group_name: str) -> EngineReply:
+        """Leave the weight group ``group_name``."""
+        return await self._weight_call("/destroy_weights_update_group", {"group_name": group_name})
+
+    async def update_weight_version(self, new_version: str | int, *, abort_all_requests: bool = False) -> EngineReply:
+        """Relabel the engine's weights; SGLang's default would abort in-flight requests, so ours is ``False``."""
+        body = {"new_version": str(new_version), "abort_all_requests": abort_all_requests}
+        return await self._weight_call("/update_weight_version", body)
+
+    async def _weight_call(self, path: str, body: Mapping[str, Any]) -> EngineReply:
+        return _reply(await self._request("POST", path, body, self.weight_timeout, accept_4xx=True))
+
+    # ---- transport --------------------------------------------------------------------------------------------------
+
+    def _session_for_loop(self) -> aiohttp.ClientSession:
+        # A session is bound to the event loop it was made in; make it lazily, inside the caller's loop.
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        return self._session
+
+    async def _request(
+        self, method: str, path: str, body: Mapping[str, Any] | None, timeout: float, *, accept_4xx: bool = False
+    ) -> _Response:
+        url = self.base_url + path
+        client_timeout = aiohttp.ClientTimeout(total=timeout, connect=min(timeout, self.connect_timeout))
+        try:
+            async with self._session_for_loop().request(method, url, json=body, timeout=client_timeout) as resp:
+                raw = await resp.read()
+                status = resp.status
+                is_json = resp.content_type == "application/json"
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
+            raise EngineUnavailableError(
+                f"engine {self.name} did not answer {method} {path} within {timeout:g}s: {exc!r}"
+            ) from exc
+        parsed = _parse_body(raw, is_json)
+        if status >= 500:
+            raise EngineUnavailableError(f"engine {self.name} answered {status} to {path}: {_short(parsed)}")
+        # Weight endpoints answer a refusal as 400 + {"success": false, "message"}; a 404 means no such endpoint.
+        if status >= 400 and not (accept_4xx and status != 404):
+            raise EngineRequestError(f"engine {self.name} refused {path} with {status}: {_short(parsed)}", status)
+        return _Response(status, parsed)
+
+
+def _parse_body(raw: bytes, is_json: bool) -> Any:
+    if not raw:
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        if is_json:
+            raise EngineError(f"engine sent malformed JSON: {raw[:200]!r}") from None
+        return raw.decode("utf-8", "replace")
+
+
+def _short(body: Any) -> str:
+    text = body.get("message", body) if isinstance(body, Mapping) else body
+    return str(text)[:500]
+
+
+def _reply(response: _Response) -> EngineReply:
+    body = response.body
+    if isinstance(body, Mapping):
+        success = bool(body.get("success", response.status == 200))
+        message = str(body.get("message", ""))
+    else:
+        success = response.status == 200
+        message = "" if body is None else str(body).strip()
+    return EngineReply(success=success and response.status == 200, message=message)
+
+
+def _first_int(raw: Mapping[str, Any], keys: Sequence[str]) -> int | None:
+    for key in keys:
+        value = raw.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def _decode_logprobs(meta: Mapping[str, Any], output_ids: np.ndarray) -> np.ndarray:
+    entries = meta.get("output_token_logprobs")
+    if entries is None:
+        raise ValueError("output_token_logprobs is missing although return_logprob was set")
+    if len(entries) != len(output_ids):
+        raise ValueError(f"{len(entries)} output_token_logprobs for {len(output_ids)} output_ids")
+    tokens = np.asarray([e[1] for e in entries], dtype=np.int64)
+    if len(tokens) and not np.array_equal(tokens, output_ids):
+        raise ValueError("the token ids in output_token_logprobs differ from output_ids")
+    return np.asarray([e[0] for e in entries], dtype=np.float32)
+
+
+def _decode_spans(meta: Mapping[str, Any], length: int) -> tuple[VersionSpan, ...]:
+    raw = meta.get("weight_versions")
+    if raw is None:
+        # Engines without per-token versions: the whole output is attributed to the final version.
+        version = str(meta.get("weight_version", ""))
+        return (VersionSpan(version, 0, length),) if length else ()
+    spans = tuple(VersionSpan(str(s["version"]), int(s["start"]), int(s["end"])) for s in raw)
+    position = 0
+    for span in spans:
+        if span.start != position or span.end <= span.start:
+            raise ValueError(f"weight_versions spans {raw} do not tile the output in order")
+        position = span.end
+    if position != length:
+        raise ValueError(f"weight_versions spans cover {position} tokens but the output has {length}")
+    return spans
+
+
+def _decode_routed_experts(encoded: str, rows: int, shape: tuple[int, int] | None) -> np.ndarray:
+    try:
+        flat = np.frombuffer(base64.b64decode(encoded, validate=True), dtype="<i4")
+    except binascii.Error as exc:
+        raise ValueError(f"routed_experts is not valid base64: {exc}") from exc
+    if shape is None:
+        raise ValueError("routed_experts arrived but its (layers, topk) shape is unknown")
+    layers, topk = shape
+    if flat.size != rows * layers * topk:
+        raise ValueError(
+            f"routed_experts holds {flat.size} ids, expected {rows} rows x {layers} layers x {topk} topk "
+            "(rows = prompt + output - 1 - routed_experts_start_len)"
+        )
+    return flat.astype(np.int32, copy=False).reshape(rows, layers, topk)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Several engines
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _EngineState:
+    client: SGLangClient
+    healthy: bool = True
+    failures: int = 0
+    next_probe_at: float = 0.0
+    probing: bool = False
+    last_error: str = ""
+
+
+class EnginePool:
+    """Least-loaded routing over several engines, skipping ones that stopped answering until ``/health`` passes.
+
+    A generation that fails with ``EngineUnavailableError`` marks its engine unhealthy and is retried on another
+    one under ``retry``. Unhealthy engines are re-probed with ``/health`` in the background, ``probe_backoff`` apart.
+    Give the clients ``retry=NO_RETRY`` so that failover does not first wait out retries against a dead engine.
+    """
+
+    def __init__(
+        self,
+        clients: Sequence[SGLangClient],
+        *,
+        retry: Retry | None = None,
+        probe_backoff: Backoff | None = None,
+    ) -> None:
+        if not clients:
+            raise EngineError("EnginePool needs at least one engine client")
+        self._states = [_EngineState(c) for c in clients]
+        default_retry = Retry(retries=2 * len(clients), backoff=ExponentialBackoff(0.05, 2.0))
+        self.retry = retry if retry is not None else default_retry
+        self.probe_backoff = probe_backoff if probe_backoff is not None else ExponentialBackoff(0.2, 10.0)
+        self._probes: set[asyncio.Task[None]] = set()
+        self._turn = 0
+
+    @property
+    def clients(self) -> list[SGLangClient]:
+        """All engines, healthy or not (e.g. for a weight push, which must reach every one)."""
+        return [s.client for s in self._states]
+
+    def healthy_clients(self) -> list[SGLangClient]:
+        """Engines currently taking generations."""
+        return [s.client for s in self._states if s.healthy]
+
+    def is_healthy(self, client: SGLangClient) -> bool:
+        """Whether ``client``'s engine currently takes generations."""
+        return self._state(client).healthy
+
+    def mark_unhealthy(self, client: SGLangClient, reason: str) -> None:
+        """Stop routing to ``client`` until a ``/health`` probe passes."""
+        state = self._state(client)
+        state.failures += 1
+        state.last_error = reason
+        if state.healthy:
+            state.healthy = False
+            state.next_probe_at = time.monotonic() + self.probe_backoff.compute(state.failures)
+
+    async def probe(self, client: SGLangClient) -> bool:
+        """Ask ``/health`` now; a pass puts the engine back in rotation, a failure pushes the next probe back."""
+        state = self._state(client)
+        ok = await client.health()
+        if ok:
+            state.healthy, state.failures, state.last_error = True, 0, ""
+        else:
+            state.failures += 1
+            state.healthy = False
+            state.next_probe_at = time.monotonic() + self.probe_backoff.compute(state.failures)
+        return ok
+
+    async def probe_all(self) -> list[bool]:
+        """Probe every engine now."""
+        return list(await asyncio.gather(*(self.probe(s.client) for s in self._states)))
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: Mapping[str, Any],
+        *,
+        return_logprob: bool = True,
+        return_routed_experts: bool = False,
+        routed_experts_start_len: int = 0,
+        rid: str | None = None,
+    ) -> GenerateResult:
+        """``SGLangClient.generate`` on the least-loaded healthy engine, failing over to others."""
+        return await self._with_failover(
+            lambda c: c.generate(
+                input_ids,
+                sampling_params,
+                return_logprob=return_logprob,
+                return_routed_experts=return_routed_experts,
+                routed_experts_start_len=routed_experts_start_len,
+                rid=rid,
+            )
+        )
+
+    async def generate_many(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling_params: Mapping[str, Any],
+        *,
+        return_logprob: bool = True,
+        return_routed_experts: bool = False,
+        routed_experts_start_len: int = 0,
+        rids: Sequence[str] | None = None,
+    ) -> list[GenerateResult]:
+        """``SGLangClient.generate_many`` on the least-loaded healthy engine, failing over to others."""
+        return await self._with_failover(
+            lambda c: c.generate_many(
+                prompts,
+                sampling_params,
+                return_logprob=return_logprob,
+                return_routed_experts=return_routed_experts,
+                routed_experts_start_len=routed_experts_start_len,
+                rids=rids,
+            )
+        )
+
+    async def close(self) -> None:
+        """Stop pending probes and close every client."""
+        for task in list(self._probes):
+            task.cancel()
+        await asyncio.gather(*self._probes, return_exceptions=True)
+        await asyncio.gather(*(s.client.close() for s in self._states))
+
+    async def _with_failover(self, call: Callable[[SGLangClient], Awaitable[_T]]) -> _T:
+        async def attempt() -> _T:
+            client = self._pick()
+            try:
+                return await call(client)
+            except EngineUnavailableError as exc:
+                self.mark_unhealthy(client, str(exc))
+                raise
+
+        return await self.retry.call(attempt)
+
+    def _pick(self) -> SGLangClient:
+        self._schedule_probes()
+        healthy = [s for s in self._states if s.healthy]
+        if not healthy:
+            errors = "; ".join(f"{s.client.name}: {s.last_error or 'failed /health'}" for s in self._states)
+            raise EngineUnavailableError(f"no healthy engine ({errors}); waiting for /health probes to pass")
+        # Rotate the starting point so that ties do not always land on the first engine.
+        self._turn = (self._turn + 1) % len(healthy)
+        rotated = healthy[self._turn :] + healthy[: self._turn]
+        return min(rotated, key=lambda s: s.client.in_flight).client
+
+    def _schedule_probes(self) -> None:
+        now = time.monotonic()
+        for state in self._states:
+            if not state.healthy and not state.probing and state.next_probe_at <= now:
+                state.probing = True
+                task = asyncio.get_running_loop().create_task(self._probe_task(state))
+                self._probes.add(task)
+                task.add_done_callback(self._probes.discard)
+
+    async def _probe_task(self, state: _EngineState) -> None:
+        try:
+            await self.probe(state.client)
+        finally:
+            state.probing = False
+
+    def _state(self, client: SGLangClient) -> _EngineState:
+        for state in self._states:
+            if state.client is client:
+                return state
+        raise EngineError(f"{client!r} is not part of this pool")

@@ -1,0 +1,111 @@
+"""The boundary between the trainer's weight push and the engines that receive it.
+
+``pipeline.sync`` sits below ``pipeline.producers`` in the dependency order, so the pusher cannot import the SGLang
+HTTP client. It states what it needs from an engine as the ``WeightUpdateEngine`` protocol instead; the client in
+``pipeline.producers.sglang_client`` satisfies it structurally.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from pipeline.errors import SyncError
+
+# SGLang names dtypes by their ``torch`` attribute name (it does ``getattr(torch, name)`` on receipt), so these are the
+# strings that travel in ``/update_weights_from_distributed``. Only the dtypes a policy's weights come in are listed.
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "float64": 8,
+    "int64": 8,
+    "int32": 4,
+    "uint8": 1,
+}
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What the trainer announces about one tensor before broadcasting it: HF name, SGLang dtype string, shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_ITEMSIZE:
+            raise SyncError(
+                f"tensor {self.name!r} has dtype {self.dtype!r}, which the weight push does not carry; "
+                f"use one of {sorted(DTYPE_ITEMSIZE)} (cast the tensor before pushing)"
+            )
+        if any(d < 0 for d in self.shape):
+            raise SyncError(f"tensor {self.name!r} has a negative dimension in shape {list(self.shape)}")
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Size on the wire in bytes."""
+        return self.numel * DTYPE_ITEMSIZE[self.dtype]
+
+
+@dataclass(frozen=True)
+class EngineReply:
+    """The ``{"success", "message"}`` answer every SGLang weight endpoint returns."""
+
+    success: bool
+    message: str
+
+
+@runtime_checkable
+class WeightUpdateEngine(Protocol):
+    """The weight endpoints of one rollout engine, as the pusher drives them (SGLang 0.5.23's protocol)."""
+
+    @property
+    def name(self) -> str:
+        """A label for error messages (the engine's base URL)."""
+        ...
+
+    async def init_weights_update_group(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+    ) -> EngineReply:
+        """Make the engine join the weight group at ranks ``rank_offset + tp_rank``; returns once it has joined."""
+        ...
+
+    async def begin_weight_update(self) -> EngineReply:
+        """Open the update window (``{"selector": "all"}``); updates outside it are refused."""
+        ...
+
+    async def update_weights_from_distributed(
+        self,
+        *,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        flush_cache: bool,
+        weight_version: str | None,
+        abort_all_requests: bool = False,
+    ) -> EngineReply:
+        """Receive one ``broadcast(src=0)`` per announced tensor, in order, and load them; returns when loaded."""
+        ...
+
+    async def end_weight_update(self) -> EngineReply:
+        """Close the update window."""
+        ...
+
+    async def destroy_weights_update_group(self, group_name: str) -> EngineReply:
+        """Leave the weight group (SGLang refuses to join a group name it already holds)."""
+        ...

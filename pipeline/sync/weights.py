@@ -1,0 +1,541 @@
+"""Bucketed weight broadcast from the trainer to rollout engines (SGLang's ``update_weights_from_distributed``).
+
+Both ends live here: ``init_weight_group`` + ``receive_tensors`` for an engine, and ``plan_buckets`` +
+``WeightPusher`` for the trainer (rank 0 of the weight group).
+
+The group is built directly on a ``TCPStore`` rather than through ``dist.init_process_group``: the trainer already owns
+the default group (Megatron's), and the engines are separate programs that join only this one group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
+
+from pipeline.errors import SyncError
+from pipeline.sync.base import DTYPE_ITEMSIZE, EngineReply, TensorMeta, WeightUpdateEngine
+
+MB = 1 << 20
+DEFAULT_BUCKET_BYTES: dict[str, int] = {"gloo": 64 * MB, "nccl": 512 * MB}
+SUPPORTED_BACKENDS = ("gloo", "nccl")
+
+_T = TypeVar("_T")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype for an SGLang dtype string ("bfloat16", ...); SyncError for one the push does not carry."""
+    if name not in DTYPE_ITEMSIZE:
+        raise SyncError(f"dtype {name!r} is not one the weight push carries; use one of {sorted(DTYPE_ITEMSIZE)}")
+    dtype = getattr(torch, name)
+    assert isinstance(dtype, torch.dtype)
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The SGLang dtype string for a torch dtype (``torch.bfloat16`` -> "bfloat16")."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_ITEMSIZE:
+        raise SyncError(f"dtype {dtype} is not one the weight push carries; cast to one of {sorted(DTYPE_ITEMSIZE)}")
+    return name
+
+
+def meta_of(name: str, tensor: torch.Tensor) -> TensorMeta:
+    """The announcement for one named tensor."""
+    return TensorMeta(name=name, dtype=dtype_name(tensor.dtype), shape=tuple(int(d) for d in tensor.shape))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The group
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class WeightGroup:
+    """One member of the trainer-to-engines weight group: rank 0 is the trainer, engines hold the other ranks."""
+
+    def __init__(
+        self,
+        *,
+        store: Store,
+        backend_impl: Any,
+        rank: int,
+        world_size: int,
+        backend: str,
+        group_name: str,
+    ) -> None:
+        self._store = store
+        self._impl = backend_impl
+        self.rank = rank
+        self.world_size = world_size
+        self.backend = backend
+        self.group_name = group_name
+        self._broken: str | None = None
+        self._closed = False
+
+    @property
+    def device(self) -> torch.device:
+        """Where tensors must live to be broadcast: CPU for gloo, the current CUDA device for NCCL."""
+        if self.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """Broadcast ``tensor`` in place from rank ``src``; blocks until this rank's part is done."""
+        if self._closed:
+            raise SyncError(f"weight group {self.group_name!r} is closed; create a new one with init_weight_group")
+        if self._broken is not None:
+            raise SyncError(
+                f"weight group {self.group_name!r} is unusable after an earlier failure ({self._broken}); "
+                "every member must re-create it with init_weight_group"
+            )
+        if not tensor.is_contiguous():
+            raise SyncError("broadcast needs a contiguous tensor; call .contiguous() first")
+        if tensor.device.type != self.device.type:
+            raise SyncError(
+                f"a {self.backend} weight group broadcasts {self.device.type} tensors, got one on {tensor.device}"
+            )
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        try:
+            self._impl.broadcast([tensor], opts).wait()
+        except RuntimeError as exc:
+            self.mark_broken(f"broadcast failed: {exc}")
+            raise SyncError(f"broadcast in weight group {self.group_name!r} failed: {exc}") from exc
+
+    @property
+    def broken(self) -> str | None:
+        """Why the group may no longer be used, or None while it is usable."""
+        return self._broken
+
+    def mark_broken(self, reason: str) -> None:
+        """Refuse further broadcasts: a collective that one side abandoned leaves the peers out of step."""
+        self._broken = self._broken or reason
+
+    def close(self) -> None:
+        """Tear down the communicator and drop this member's store connection."""
+        if self._closed:
+            return
+        self._closed = True
+        shutdown: Callable[[], None] | None = getattr(self._impl, "shutdown", None)
+        if shutdown is not None:
+            try:
+                shutdown()
+            except RuntimeError:
+                # A peer that already left makes shutdown complain; the group is gone either way.
+                pass
+        self._impl = None
+        del self._store
+
+
+def init_weight_group(
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    backend: str = "gloo",
+    timeout_s: float = 300.0,
+) -> WeightGroup:
+    """Join (rank > 0) or host (rank 0) the weight group; blocks until all ``world_size`` members have joined."""
+    if backend not in SUPPORTED_BACKENDS:
+        raise SyncError(f"weight group backend {backend!r} is unknown; use one of {SUPPORTED_BACKENDS}")
+    if not 0 <= rank < world_size:
+        raise SyncError(f"rank {rank} is outside a weight group of world_size {world_size}")
+    if backend == "nccl" and not (dist.is_nccl_available() and torch.cuda.is_available()):
+        raise SyncError("backend 'nccl' needs CUDA and a torch built with NCCL; use backend='gloo' on CPU")
+    timeout = timedelta(seconds=timeout_s)
+    store = TCPStore(
+        master_address, master_port, world_size, is_master=rank == 0, timeout=timeout, multi_tenant=True
+    )
+    # The key prefixes reproduce what SGLang's engine side gets from its custom group helper (a PrefixStore of the
+    # group name, then torch's "<group>/" and "<device>/" prefixes), so a real SGLang engine and this trainer meet on
+    # the same rendezvous keys.
+    device_type = "cuda" if backend == "nccl" else "cpu"
+    prefixed = PrefixStore(f"{device_type}/", PrefixStore(f"{group_name}/", PrefixStore(group_name, store)))
+    impl = _make_backend(backend, prefixed, rank, world_size, timeout)
+    return WeightGroup(
+        store=store, backend_impl=impl, rank=rank, world_size=world_size, backend=backend, group_name=group_name
+    )
+
+
+def _make_backend(backend: str, store: Store, rank: int, world_size: int, timeout: timedelta) -> Any:
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = False
+        options._timeout = timeout
+        impl: Any = dist.ProcessGroupNCCL(store, rank, world_size, options)
+    else:
+        impl = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    # torch's group helper does this on every member; a gloo rank > 0 waits on rank 0's sequence-number key, so the
+    # trainer must publish it too or a real SGLang engine would stall here.
+    impl._set_sequence_number_for_group()
+    return impl
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Receiving side (engines)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def check_announcement(
+    names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]]
+) -> list[TensorMeta]:
+    """Validate the ``names``/``dtypes``/``shapes`` of an update request and return them as metas."""
+    if not len(names) == len(dtypes) == len(shapes):
+        raise SyncError(
+            f"update announces {len(names)} names, {len(dtypes)} dtypes and {len(shapes)} shapes; they must match"
+        )
+    if len(set(names)) != len(names):
+        dupes = sorted({n for n in names if list(names).count(n) > 1})
+        raise SyncError(f"update announces these tensor names more than once: {dupes}")
+    return [TensorMeta(name=n, dtype=d, shape=tuple(int(x) for x in s)) for n, d, s in zip(names, dtypes, shapes)]
+
+
+def validate_metas(
+    metas: Iterable[TensorMeta], expected: Mapping[str, TensorMeta], *, match_dtype: bool = True
+) -> None:
+    """Raise SyncError listing every announced tensor that is unknown or differs in shape (or dtype) from ``expected``.
+
+    Run this before any broadcast: gloo receiving into a tensor of the wrong size aborts the process.
+    """
+    problems: list[str] = []
+    for meta in metas:
+        want = expected.get(meta.name)
+        if want is None:
+            problems.append(f"{meta.name}: not a parameter of the engine's model")
+        elif want.shape != meta.shape:
+            problems.append(f"{meta.name}: shape {list(meta.shape)} but the model has {list(want.shape)}")
+        elif match_dtype and want.dtype != meta.dtype:
+            problems.append(f"{meta.name}: dtype {meta.dtype} but the model has {want.dtype}")
+    if problems:
+        shown = "; ".join(problems[:10]) + (f"; and {len(problems) - 10} more" if len(problems) > 10 else "")
+        raise SyncError(
+            f"weight update does not fit the model ({shown}). Check that trainer and engine load the same architecture "
+            "and that the trainer's name mapping produces HF names"
+        )
+
+
+def receive_tensors(
+    group: WeightGroup, names: list[str], dtypes: list[str], shapes: list[list[int]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Receive one ``broadcast(src=0)`` per announced tensor, in the announced order, yielding ``(name, tensor)``.
+
+    The announcement is validated now, before anything is received. The caller must exhaust the iterator: stopping
+    early leaves the sender blocked in a broadcast nobody receives.
+    """
+    metas = check_announcement(names, dtypes, shapes)
+    device = group.device
+
+    def _receive() -> Iterator[tuple[str, torch.Tensor]]:
+        for meta in metas:
+            tensor = torch.empty(meta.shape, dtype=torch_dtype(meta.dtype), device=device)
+            group.broadcast(tensor, src=0)
+            yield meta.name, tensor
+
+    return _receive()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Sending side (trainer)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _item_nbytes(item: object) -> int:
+    if isinstance(item, TensorMeta):
+        return item.nbytes
+    if isinstance(item, tuple) and len(item) == 2:
+        first, second = item
+        if isinstance(first, TensorMeta):
+            return first.nbytes
+        if isinstance(second, torch.Tensor):
+            return second.numel() * second.element_size()
+        if isinstance(second, TensorMeta):
+            return second.nbytes
+    raise SyncError(f"plan_buckets takes TensorMeta or (name, tensor) items, got {type(item).__name__}")
+
+
+def plan_buckets(items: Iterable[_T], bucket_bytes: int) -> list[list[_T]]:
+    """Split ``items`` (``TensorMeta`` or ``(name, tensor)``), in order, into buckets of at most ``bucket_bytes``.
+
+    Order is kept because the engine receives tensors in the order they are announced. A tensor larger than the
+    bucket gets a bucket of its own rather than being split: SGLang loads whole parameters only.
+    """
+    if bucket_bytes <= 0:
+        raise SyncError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    buckets: list[list[_T]] = []
+    current: list[_T] = []
+    used = 0
+    for item in items:
+        size = _item_nbytes(item)
+        if current and used + size > bucket_bytes:
+            buckets.append(current)
+            current, used = [], 0
+        current.append(item)
+        used += size
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+@dataclass(frozen=True)
+class PushStats:
+    """What one weight push moved and how long it took (begin to end, HTTP included)."""
+
+    weight_version: str
+    tensors: int
+    buckets: int
+    bytes: int
+    seconds: float
+
+    @property
+    def mb_per_s(self) -> float:
+        """Throughput in MiB/s."""
+        return self.bytes / MB / self.seconds if self.seconds > 0 else math.inf
+
+
+class WeightPusher:
+    """Rank 0 of the weight group: pushes named tensors to every engine, bucket by bucket.
+
+    Per push: ``/begin_weight_update`` on all engines, then per bucket ``/update_weights_from_distributed`` to all
+    engines concurrently with one ``broadcast(src=0)`` per tensor in the announced order, then ``/end_weight_update``.
+    ``weight_version`` and ``flush_cache`` ride only on the last bucket, so an engine never labels tokens with the new
+    version while it still holds a mix of old and new weights.
+    """
+
+    def __init__(
+        self,
+        group: WeightGroup,
+        engines: Sequence[WeightUpdateEngine],
+        *,
+        bucket_bytes: int | None = None,
+        dtype: str | None = None,
+        expected: Mapping[str, TensorMeta] | None = None,
+        flush_cache: bool = True,
+    ) -> None:
+        if group.rank != 0:
+            raise SyncError(f"the pusher must be rank 0 of the weight group, this process is rank {group.rank}")
+        if not engines:
+            raise SyncError("WeightPusher needs at least one engine")
+        self.group = group
+        self.engines = list(engines)
+        self.bucket_bytes = bucket_bytes or DEFAULT_BUCKET_BYTES[group.backend]
+        # Casting floats to the engine's dtype (e.g. "bfloat16") halves the bytes on the wire for an fp32 trainer.
+        self.dtype = dtype
+        if dtype is not None:
+            torch_dtype(dtype)
+        self.expected = expected
+        self.flush_cache = flush_cache
+
+    @classmethod
+    async def connect(
+        cls,
+        engines: Sequence[WeightUpdateEngine],
+        *,
+        master_address: str,
+        master_port: int,
+        group_name: str = "sluice_weights",
+        backend: str = "gloo",
+        ranks_per_engine: Sequence[int] | None = None,
+        timeout_s: float = 300.0,
+        bucket_bytes: int | None = None,
+        dtype: str | None = None,
+        expected: Mapping[str, TensorMeta] | None = None,
+        flush_cache: bool = True,
+    ) -> WeightPusher:
+        """Host the weight group and have every engine join it; ``ranks_per_engine`` is each engine's TP size.
+
+        The remaining arguments are the pusher's (see ``__init__``).
+        """
+        ranks = list(ranks_per_engine) if ranks_per_engine is not None else [1] * len(engines)
+        if len(ranks) != len(engines) or any(r < 1 for r in ranks):
+            raise SyncError(f"ranks_per_engine needs one positive entry per engine, got {ranks} for {len(engines)}")
+        world_size = 1 + sum(ranks)
+        offsets = [1 + sum(ranks[:i]) for i in range(len(ranks))]
+        hosting = _run_in_thread(
+            lambda: init_weight_group(master_address, master_port, 0, world_size, group_name, backend, timeout_s)
+        )
+        joins = [
+            engine.init_weights_update_group(
+                master_address=master_address,
+                master_port=master_port,
+                rank_offset=offset,
+                world_size=world_size,
+                group_name=group_name,
+                backend=backend,
+            )
+            for engine, offset in zip(engines, offsets)
+        ]
+        await _expect_success(engines, joins, "init_weights_update_group")
+        group = await asyncio.wait_for(hosting, timeout_s)
+        return cls(group, engines, bucket_bytes=bucket_bytes, dtype=dtype, expected=expected, flush_cache=flush_cache)
+
+    async def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | int) -> PushStats:
+        """Push every tensor to every engine and set their version; raises SyncError naming the engine on failure.
+
+        All tensors are collected and checked before the first request goes out, so a bad name, shape or dtype never
+        reaches a broadcast (a size mismatch there kills the receiving process with SIGABRT).
+        """
+        version = str(weight_version)
+        if self.group.broken is not None:
+            raise SyncError(
+                f"weight group {self.group.group_name!r} is unusable ({self.group.broken}); "
+                "close this pusher and connect a new one"
+            )
+        items = self._collect(named_tensors)
+        buckets = plan_buckets(items, self.bucket_bytes)
+        start = time.perf_counter()
+        try:
+            await _expect_success(self.engines, [e.begin_weight_update() for e in self.engines], "begin_weight_update")
+            for index, bucket in enumerate(buckets):
+                last = index == len(buckets) - 1
+                await self._push_bucket(bucket, version if last else None, self.flush_cache and last)
+        except BaseException:
+            # Close the engines' update windows so they keep serving; the original error is what matters.
+            await asyncio.gather(*(e.end_weight_update() for e in self.engines), return_exceptions=True)
+            raise
+        await _expect_success(self.engines, [e.end_weight_update() for e in self.engines], "end_weight_update")
+        return PushStats(
+            weight_version=version,
+            tensors=len(items),
+            buckets=len(buckets),
+            bytes=sum(meta.nbytes for meta, _ in items),
+            seconds=time.perf_counter() - start,
+        )
+
+    async def close(self) -> None:
+        """Have every engine leave the group, then tear down this end; a new ``connect`` may reuse the group name."""
+        calls = [e.destroy_weights_update_group(self.group.group_name) for e in self.engines]
+        try:
+            await _expect_success(self.engines, calls, "destroy_weights_update_group")
+        finally:
+            self.group.close()
+
+    def _collect(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[TensorMeta, torch.Tensor]]:
+        items: list[tuple[TensorMeta, torch.Tensor]] = []
+        seen: set[str] = set()
+        for name, tensor in named_tensors:
+            if not isinstance(tensor, torch.Tensor):
+                raise SyncError(f"weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+            if name in seen:
+                raise SyncError(f"weight {name!r} appears twice in one push; the exporter must yield each name once")
+            seen.add(name)
+            dtype = self.dtype if self.dtype is not None and tensor.is_floating_point() else dtype_name(tensor.dtype)
+            items.append((TensorMeta(name=name, dtype=dtype, shape=tuple(int(d) for d in tensor.shape)), tensor))
+        if not items:
+            raise SyncError(
+                "a weight push needs at least one tensor; use /update_weight_version to only bump the version"
+            )
+        if self.expected is not None:
+            validate_metas((meta for meta, _ in items), self.expected)
+        return items
+
+    async def _push_bucket(
+        self, bucket: list[tuple[TensorMeta, torch.Tensor]], weight_version: str | None, flush_cache: bool
+    ) -> None:
+        metas = [meta for meta, _ in bucket]
+        posts: dict[asyncio.Future[Any], WeightUpdateEngine] = {
+            asyncio.ensure_future(
+                engine.update_weights_from_distributed(
+                    names=[m.name for m in metas],
+                    dtypes=[m.dtype for m in metas],
+                    shapes=[list(m.shape) for m in metas],
+                    group_name=self.group.group_name,
+                    flush_cache=flush_cache,
+                    weight_version=weight_version,
+                    abort_all_requests=False,
+                )
+            ): engine
+            for engine in self.engines
+        }
+        sending = _run_in_thread(lambda: self._broadcast_bucket(bucket))
+        pending: set[asyncio.Future[Any]] = set(posts) | {sending}
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task is sending:
+                        task.result()
+                    else:
+                        _check_reply(posts[task], task, "update_weights_from_distributed")
+        except BaseException as exc:
+            for task in pending:
+                task.cancel()
+            # Whether or not our side of the broadcast finished (gloo sends small tensors eagerly, so it may have),
+            # a peer that failed did not take this bucket: the members are out of step and the group must be rebuilt.
+            self.group.mark_broken(f"a weight push failed mid-bucket: {exc}")
+            raise
+
+    def _broadcast_bucket(self, bucket: list[tuple[TensorMeta, torch.Tensor]]) -> None:
+        device = self.group.device
+        for meta, tensor in bucket:
+            # Moving/casting one tensor at a time keeps the extra memory to one tensor, not one bucket.
+            wire = tensor.detach().to(device=device, dtype=torch_dtype(meta.dtype)).contiguous()
+            self.group.broadcast(wire, src=0)
+
+
+def _run_in_thread(fn: Callable[[], _T]) -> asyncio.Future[_T]:
+    """Run a blocking collective off the event loop, in a daemon thread.
+
+    Not ``asyncio.to_thread``: a broadcast whose peer vanished blocks until the backend timeout, and the default
+    executor's threads would then hold up interpreter exit for that long.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[_T] = loop.create_future()
+
+    def _settle(result: _T | None, error: BaseException | None) -> None:
+        if future.cancelled():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]
+
+    def _hand_over(result: _T | None, error: BaseException | None) -> None:
+        try:
+            loop.call_soon_threadsafe(_settle, result, error)
+        except RuntimeError:
+            # The loop is gone: the push that started this broadcast already failed and its caller moved on.
+            pass
+
+    def _target() -> None:
+        try:
+            result = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine, not swallowed
+            _hand_over(None, exc)
+        else:
+            _hand_over(result, None)
+
+    threading.Thread(target=_target, name="sluice-weight-broadcast", daemon=True).start()
+    # Nobody may be awaiting any more (the push already failed); retrieve the outcome so asyncio does not warn.
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return future
+
+
+def _check_reply(engine: WeightUpdateEngine, task: asyncio.Future[Any], endpoint: str) -> None:
+    try:
+        reply: EngineReply = task.result()
+    except SyncError:
+        raise
+    except Exception as exc:
+        raise SyncError(f"engine {engine.name} failed {endpoint}: {exc}") from exc
+    if not reply.success:
+        raise SyncError(f"engine {engine.name} refused {endpoint}: {reply.message}")
+
+
+async def _expect_success(
+    engines: Sequence[WeightUpdateEngine], calls: Sequence[Any], endpoint: str
+) -> None:
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    await asyncio.wait(tasks)
+    for engine, task in zip(engines, tasks):
+        _check_reply(engine, task, endpoint)
