@@ -1,0 +1,38 @@
+"""``python -m pipeline.producers.cpu_engine MODEL_DIR --host H --port P [...]``: run the CPU engine."""
+
+from __future__ import annotations
+
+import argparse
+
+from pipeline.producers.cpu_engine.config import CpuEngineConfig
+
+
+def parse_args(argv: list[str] | None = None) -> CpuEngineConfig:
+    """Command line to ``CpuEngineConfig`` (flags mirror SGLang's where SGLang has one)."""
+    parser = argparse.ArgumentParser(prog="python -m pipeline.producers.cpu_engine", description=__doc__)
+    parser.add_argument("model_path", help="folder with an HF causal LM and its tokenizer")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--max-batch", type=int, default=32)
+    parser.add_argument("--enable-return-routed-experts", action="store_true")
+    parser.add_argument("--logprob-mode", choices=["temperature", "original"], default="temperature")
+    parser.add_argument("--attn-implementation", choices=["sdpa", "eager"], default="sdpa")
+    parser.add_argument("--max-context-len", type=int, default=None)
+    parser.add_argument("--num-threads", type=int, default=None)
+    parser.add_argument("--weight-version", dest="initial_weight_version", default="0")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    return CpuEngineConfig(**vars(parser.parse_args(argv)))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse the command line and serve."""
+    cfg = parse_args(argv)  # before the heavy imports, so that --help and bad flags answer at once
+    from pipeline.producers.cpu_engine.server import run_server
+
+    run_server(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""Options of the CPU engine, validated when it starts."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class CpuEngineConfig(BaseModel):
+    """Everything the CPU engine needs to start; one instance per engine process."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model_path: str
+    """Folder with an HF causal LM (config.json + safetensors) and its tokenizer."""
+    host: str = "127.0.0.1"
+    """Address the HTTP server binds to."""
+    port: int = Field(default=30000, ge=1, le=65535)
+    """TCP port of the HTTP server."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the weights and activations; logits are always turned into float32 before sampling."""
+    max_batch: int = Field(default=32, ge=1, le=4096)
+    """Most sequences decoded together in one forward pass; further requests wait for a free row."""
+    enable_return_routed_experts: bool = False
+    """Record the router's top-k expert ids of every token (SGLang's --enable-return-routed-experts)."""
+    logprob_mode: Literal["temperature", "original"] = "temperature"
+    """Distribution the returned logprobs come from: softmax(logits / T) like SGLang's default, or softmax(logits)
+    like SGLang with SGLANG_RETURN_ORIGINAL_LOGPROB=1. Greedy requests (T = 0) always use softmax(logits)."""
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    """transformers attention kernel."""
+    max_context_len: int | None = Field(default=None, ge=2)
+    """Longest prompt + output in tokens; defaults to the model's max_position_embeddings."""
+    num_threads: int | None = Field(default=None, ge=1, le=1024)
+    """torch intra-op threads; None keeps torch's default (which honours OMP_NUM_THREADS)."""
+    initial_weight_version: str = "0"
+    """weight_version reported before the first weight update."""
+    seed: int = Field(default=0, ge=0)
+    """Seeds the engine's generator of per-request seeds for requests that do not pass sampling_seed."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Logging level of the engine process."""

@@ -1,0 +1,272 @@
+"""Batched generation over one shared, left-padded KV cache.
+
+All running sequences form one batch. Each scheduler iteration does at most one prefill forward (the sequences that
+join, padded together) and one decode forward (one token for every running sequence). Joining sequences are merged
+into the running batch by left-padding whichever cache is shorter; finished ones are removed, and columns that have
+become padding for every row are trimmed. Padding never reaches a real token: the attention mask hides it, and
+position ids count real tokens only, so a sequence's numbers do not depend on what it is batched with (up to float
+rounding of differently shaped matmuls).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+
+from pipeline.producers.cpu_engine.routing import RoutingRecorder
+from pipeline.producers.cpu_engine.sampling import LogprobMode, SamplingSettings, select_token, token_logprobs
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample being generated: its options, and the tokens, logprobs, versions and routing produced so far."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    settings: SamplingSettings
+    stop_ids: frozenset[int]
+    ignore_eos: bool
+    generator: torch.Generator | None
+    input_logprob_start: int = -1
+    rid: str = ""
+    on_finish: Callable[[Sequence], None] | None = None
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    token_versions: list[str] = field(default_factory=list)
+    routing: list[torch.Tensor] = field(default_factory=list)
+    input_logprobs: list[float | None] | None = None
+    finish_reason: dict[str, Any] | None = None
+    abort_requested: bool = False
+    notified: bool = False
+    created_at: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        """Whether the sequence has a finish reason."""
+        return self.finish_reason is not None
+
+    def routed_experts(self) -> torch.Tensor | None:
+        """All recorded routing rows ``[P + R - 1, layers, topk]``, or None when routing was not recorded."""
+        return torch.cat(self.routing, dim=0) if self.routing else None
+
+
+@dataclass
+class _Forward:
+    """What one forward pass gives back."""
+
+    logits: torch.Tensor  # [batch, kept positions, vocab] float32
+    kv: KV
+    routing: torch.Tensor | None  # [batch, seq, layers, topk] int32
+
+
+class BatchGenerator:
+    """Runs prefill and decode steps for a changing set of sequences; not thread-safe (the scheduler owns it)."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        eos_ids: frozenset[int],
+        pad_id: int,
+        logprob_mode: LogprobMode,
+        record_routing: bool,
+        max_context_len: int,
+        version: str,
+    ) -> None:
+        self.model = model
+        self.eos_ids = eos_ids
+        self.pad_id = pad_id
+        self.logprob_mode = logprob_mode
+        self.max_context_len = max_context_len
+        self.version = version
+        self.recorder = RoutingRecorder(model) if record_routing else None
+        if self.recorder is not None and self.recorder.num_layers == 0:
+            self.recorder.close()  # a dense model has nothing to record
+            self.recorder = None
+        self.rows: list[Sequence] = []
+        self._kv: KV = []
+        self._mask = torch.zeros(0, 0, dtype=torch.long)
+        self._pos = torch.zeros(0, dtype=torch.long)
+        self._next = torch.zeros(0, dtype=torch.long)
+        self.tokens_generated = 0
+        self.forward_passes = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (non-padding) tokens held in the KV cache."""
+        return int(self._mask.sum()) if self.rows else 0
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, kv: KV, keep_all: bool) -> _Forward:
+        cache = DynamicCache(ddp_cache_data=kv) if kv else DynamicCache(config=self.model.config)
+        self.forward_passes += 1
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=pos,
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=0 if keep_all else 1,
+            )
+        new_kv = [_layer_kv(layer) for layer in cache.layers]
+        routing = self.recorder.take(ids.shape[0], ids.shape[1]) if self.recorder else None
+        return _Forward(out.logits.float(), new_kv, routing)
+
+    def _finish_reason(self, seq: Sequence, token: int) -> dict[str, Any] | None:
+        if token in seq.stop_ids or (not seq.ignore_eos and token in self.eos_ids):
+            return {"type": "stop", "matched": token}
+        if len(seq.output_ids) >= seq.max_new_tokens:
+            return {"type": "length", "length": len(seq.output_ids)}
+        if len(seq.prompt_ids) + len(seq.output_ids) >= self.max_context_len:
+            return {"type": "length", "length": len(seq.output_ids)}
+        return None
+
+    def _emit(self, seq: Sequence, logits: torch.Tensor) -> int:
+        """Sample one token for ``seq`` from its float32 logits row and record it under the current version."""
+        token, logprob = select_token(logits, seq.settings, seq.generator, self.logprob_mode)
+        seq.output_ids.append(token)
+        seq.output_logprobs.append(logprob)
+        seq.token_versions.append(self.version)
+        if seq.first_token_at is None:
+            seq.first_token_at = time.monotonic()
+        self.tokens_generated += 1
+        seq.finish_reason = self._finish_reason(seq, token)
+        return token
+
+    def _input_logprobs(self, seq: Sequence, logits: torch.Tensor) -> list[float | None]:
+        """Logprobs of prompt tokens 1.. from the prefill logits of this row's real positions (token 0 has none)."""
+        prompt = torch.tensor(seq.prompt_ids[1:], dtype=torch.long)
+        values = token_logprobs(logits[:-1], prompt, seq.settings.temperature, self.logprob_mode)
+        return [None, *values.tolist()]
+
+    def admit(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Prefill ``seqs`` in one forward, sample their first token and add the unfinished ones to the batch.
+
+        Returns the sequences that finished on their first token.
+        """
+        lengths = [len(s.prompt_ids) for s in seqs]
+        width = max(lengths)
+        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros(len(seqs), width, dtype=torch.long)
+        for i, seq in enumerate(seqs):
+            ids[i, width - lengths[i] :] = torch.tensor(seq.prompt_ids, dtype=torch.long)
+            mask[i, width - lengths[i] :] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        keep_all = any(s.input_logprob_start >= 0 for s in seqs)
+        fwd = self._forward(ids, mask, pos, [], keep_all)
+        next_tokens = []
+        for i, seq in enumerate(seqs):
+            offset = width - lengths[i]
+            if fwd.routing is not None:
+                seq.routing.append(fwd.routing[i, offset:].clone())
+            if seq.input_logprob_start >= 0:
+                seq.input_logprobs = self._input_logprobs(seq, fwd.logits[i, offset:])
+            next_tokens.append(self._emit(seq, fwd.logits[i, -1]))
+        alive = [i for i, s in enumerate(seqs) if not s.finished]
+        if alive:
+            index = torch.tensor(alive, dtype=torch.long)
+            kv = [(k[index], v[index]) for k, v in fwd.kv]
+            self._merge(
+                [seqs[i] for i in alive],
+                kv,
+                mask[index],
+                torch.tensor([lengths[i] for i in alive]),
+                torch.tensor([next_tokens[i] for i in alive]),
+            )
+        return [s for s in seqs if s.finished]
+
+    def _merge(self, seqs: list[Sequence], kv: KV, mask: torch.Tensor, pos: torch.Tensor, nxt: torch.Tensor) -> None:
+        if not self.rows:
+            self.rows, self._kv, self._mask, self._pos, self._next = list(seqs), kv, mask, pos, nxt
+            self._trim()
+            return
+        width = max(self._mask.shape[1], mask.shape[1])
+        old_pad, new_pad = width - self._mask.shape[1], width - mask.shape[1]
+        self._kv = [
+            (torch.cat([_pad_left(ko, old_pad), _pad_left(kn, new_pad)]),
+             torch.cat([_pad_left(vo, old_pad), _pad_left(vn, new_pad)]))
+            for (ko, vo), (kn, vn) in zip(self._kv, kv, strict=True)
+        ]  # fmt: skip
+        self._mask = torch.cat([F.pad(self._mask, (old_pad, 0)), F.pad(mask, (new_pad, 0))])
+        self._pos = torch.cat([self._pos, pos])
+        self._next = torch.cat([self._next, nxt])
+        self.rows.extend(seqs)
+        self._trim()
+
+    def _trim(self) -> None:
+        """Drop leading cache columns that are padding in every row (left after the longest sequence finished)."""
+        if not self.rows:
+            return
+        first = int(self._mask.any(dim=0).to(torch.int8).argmax())
+        if first > 0:
+            self._mask = self._mask[:, first:]
+            self._kv = [(k[:, :, first:], v[:, :, first:]) for k, v in self._kv]
+
+    def _evict(self) -> list[Sequence]:
+        """Remove finished rows from the batch and return them."""
+        done = [s for s in self.rows if s.finished]
+        if not done:
+            return []
+        keep = [i for i, s in enumerate(self.rows) if not s.finished]
+        index = torch.tensor(keep, dtype=torch.long)
+        self.rows = [self.rows[i] for i in keep]
+        self._kv = [(k[index], v[index]) for k, v in self._kv]
+        self._mask, self._pos, self._next = self._mask[index], self._pos[index], self._next[index]
+        self._trim()
+        return done
+
+    def abort(self, predicate: Callable[[Sequence], bool], message: str) -> list[Sequence]:
+        """Finish every running sequence that matches ``predicate`` with reason ``abort``; return them."""
+        for seq in self.rows:
+            if not seq.finished and predicate(seq):
+                seq.finish_reason = {"type": "abort", "message": message}
+        return self._evict()
+
+    def reset(self) -> list[Sequence]:
+        """Drop the whole batch (after a failed step left it in an unknown state); return the unfinished sequences."""
+        dropped = [s for s in self.rows if not s.finished]
+        self.rows = []
+        self._kv = []
+        self._mask = torch.zeros(0, 0, dtype=torch.long)
+        self._pos = torch.zeros(0, dtype=torch.long)
+        self._next = torch.zeros(0, dtype=torch.long)
+        return dropped
+
+    def step(self) -> list[Sequence]:
+        """Decode one token for every running sequence in one forward; return the sequences that finished."""
+        finished = self.abort(lambda s: s.abort_requested, "the client went away or the request was aborted")
+        if not self.rows:
+            return finished
+        mask = torch.cat([self._mask, torch.ones(len(self.rows), 1, dtype=torch.long)], dim=1)
+        fwd = self._forward(self._next[:, None], mask, self._pos[:, None], self._kv, keep_all=False)
+        self._kv, self._mask = fwd.kv, mask
+        self._pos = self._pos + 1
+        for i, seq in enumerate(self.rows):
+            if fwd.routing is not None:
+                seq.routing.append(fwd.routing[i, :1].clone())
+            self._next[i] = self._emit(seq, fwd.logits[i, -1])
+        return finished + self._evict()
+
+
+def _layer_kv(layer: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of one cache layer; only full-attention dynamic layers are expected (no sliding window)."""
+    if not isinstance(layer, DynamicLayer) or layer.keys is None or layer.values is None:
+        raise TypeError(
+            f"unexpected KV cache layer {type(layer).__name__}; the CPU engine supports full attention only"
+        )
+    return layer.keys, layer.values
+
+
+def _pad_left(cache: torch.Tensor, columns: int) -> torch.Tensor:
+    """Left-pad the sequence axis of a ``[batch, heads, seq, head_dim]`` cache tensor with ``columns`` zeros."""
+    return F.pad(cache, (0, 0, columns, 0)) if columns else cache

@@ -1,0 +1,568 @@
+"""The HTTP face of the CPU engine: SGLang 0.5.23's endpoints on aiohttp.
+
+Endpoints (bodies and answers in SGLang's field names; see ``protocol.py`` for ``/generate``):
+
+- ``POST /generate``
+- ``POST /init_weights_update_group`` ``{master_address, master_port, rank_offset, world_size, group_name, backend}``
+  joins the weight group (gloo only here) and answers once joined; ``POST /destroy_weights_update_group``.
+- ``POST /begin_weight_update``, ``POST /update_weights_from_distributed``, ``POST /end_weight_update``; the middle
+  one answers 400 outside a begin/end window, as SGLang does.
+- ``POST /update_weight_version`` ``{new_version, abort_all_requests (default true, as SGLang)}``.
+- ``POST /pause_generation`` ``{mode: abort|retract|in_place}`` (retract behaves like in_place: requests keep their
+  KV cache and resume), ``POST /continue_generation``, ``POST /flush_cache``, ``POST /abort_request``
+  ``{rid, abort_all}``.
+- ``GET /model_info`` (weight_version, model_path, MoE shape), ``GET /get_weight_version``, ``GET /health``,
+  ``GET /health_generate``.
+- ``GET /get_load``: ``{"num_running_reqs", "num_waiting_reqs", "num_tokens", "max_batch", "paused",
+  "forward_passes", "tokens_generated"}`` (the last two are counters since start); a client picking the least-loaded
+  engine should compare ``num_running_reqs + num_waiting_reqs``.
+
+Every weight endpoint answers ``{"success": bool, "message": str}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import random
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import torch
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pipeline.errors import EngineError, SluiceError
+from pipeline.producers.cpu_engine.config import CpuEngineConfig
+from pipeline.producers.cpu_engine.generator import BatchGenerator, Sequence
+from pipeline.producers.cpu_engine.protocol import (
+    GenerateRequest,
+    PromptSpec,
+    SequenceResult,
+    build_response,
+    split_prompts,
+)
+from pipeline.producers.cpu_engine.sampling import SamplingSettings
+from pipeline.producers.cpu_engine.scheduler import Scheduler
+from pipeline.producers.cpu_engine.weight_loader import WeightLoader
+from pipeline.sync.weights import WeightGroup, init_weight_group
+
+log = logging.getLogger(__name__)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class InitGroupRequest(BaseModel):
+    """Body of ``/init_weights_update_group``."""
+
+    model_config = ConfigDict(extra="ignore")
+    master_address: str
+    """Host of the trainer's TCPStore (rank 0)."""
+    master_port: int = Field(ge=1, le=65535)
+    """Port of the trainer's TCPStore."""
+    rank_offset: int = Field(ge=1)
+    """This engine's rank in the group (the trainer is rank 0)."""
+    world_size: int = Field(ge=2)
+    """Trainer plus all engine ranks."""
+    group_name: str = "weight_update_group"
+    """Name the later updates refer to."""
+    backend: str = "gloo"
+    """Only gloo exists on CPU."""
+    timeout_s: float = Field(default=300.0, gt=0)
+    """How long to wait for the other members."""
+
+
+class UpdateFromDistributedRequest(BaseModel):
+    """Body of ``/update_weights_from_distributed``."""
+
+    model_config = ConfigDict(extra="ignore")
+    names: list[str]
+    """HF parameter names, in the order they are broadcast."""
+    dtypes: list[str]
+    """SGLang dtype strings ("float32", "bfloat16", ...), one per name."""
+    shapes: list[list[int]]
+    """Shapes, one per name."""
+    group_name: str = "weight_update_group"
+    """The group the tensors arrive on."""
+    flush_cache: bool = True
+    """Accepted for compatibility; the CPU engine keeps no prefix cache."""
+    abort_all_requests: bool = False
+    """Abort running and waiting requests before loading."""
+    weight_version: str | None = None
+    """Version to report once these weights are loaded; None keeps the current one."""
+
+
+def _reply(success: bool, message: str, status: int | None = None) -> web.Response:
+    return web.json_response({"success": success, "message": message}, status=status or (200 if success else 400))
+
+
+def _error(message: str, status: int = 400) -> web.Response:
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+def _load_model(cfg: CpuEngineConfig) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(
+        cfg.model_path, dtype=dtype, attn_implementation=cfg.attn_implementation
+    )
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(int(v) for v in value)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)
+
+
+class Engine:
+    """Model, scheduler and weight-group state behind the HTTP handlers."""
+
+    def __init__(self, cfg: CpuEngineConfig) -> None:
+        from transformers import AutoTokenizer
+
+        self.cfg = cfg
+        if cfg.num_threads is not None:
+            torch.set_num_threads(cfg.num_threads)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
+        self.model = _load_model(cfg)
+        config = self.model.config
+        self.vocab_size = int(config.vocab_size)
+        self.max_context_len = cfg.max_context_len or int(getattr(config, "max_position_embeddings", 4096))
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.generator = BatchGenerator(
+            self.model,
+            eos_ids=_eos_ids(self.model, self.tokenizer),
+            pad_id=int(pad),
+            logprob_mode=cfg.logprob_mode,
+            record_routing=cfg.enable_return_routed_experts,
+            max_context_len=self.max_context_len,
+            version=cfg.initial_weight_version,
+        )
+        if cfg.enable_return_routed_experts and self.generator.recorder is None:
+            log.warning("--enable-return-routed-experts is ignored: the model has no MoE layers")
+        self.scheduler = Scheduler(self.generator, cfg.max_batch)
+        self.weights = WeightLoader(self.model)
+        self.groups: dict[str, WeightGroup] = {}
+        self.update_window_open = False
+        self.update_lock = asyncio.Lock()
+        self._seeds = random.Random(cfg.seed)
+
+    @property
+    def moe_layers(self) -> int:
+        """Number of MoE layers (0 for a dense model)."""
+        from pipeline.producers.cpu_engine.routing import moe_routers
+
+        return len(moe_routers(self.model))
+
+    def model_info(self) -> dict[str, Any]:
+        """The ``/model_info`` answer."""
+        config = self.model.config
+        return {
+            "model_path": self.cfg.model_path,
+            "tokenizer_path": self.cfg.model_path,
+            "is_generation": True,
+            "weight_version": self.generator.version,
+            "dtype": self.cfg.dtype,
+            "architectures": list(getattr(config, "architectures", None) or []),
+            "vocab_size": self.vocab_size,
+            "max_context_len": self.max_context_len,
+            "num_hidden_layers": int(config.num_hidden_layers),
+            "num_moe_layers": self.moe_layers,
+            "num_experts": int(getattr(config, "num_experts", 0) or 0),
+            "num_experts_per_tok": int(getattr(config, "num_experts_per_tok", 0) or 0),
+            "enable_return_routed_experts": self.cfg.enable_return_routed_experts and self.moe_layers > 0,
+            "eos_token_ids": sorted(self.generator.eos_ids),
+            "pad_token_id": self.generator.pad_id,
+            "logprob_mode": self.cfg.logprob_mode,
+            "max_batch": self.cfg.max_batch,
+        }
+
+    def prompts_of(self, req: GenerateRequest) -> tuple[list[list[int]], bool]:
+        """The request's prompts as token ids, and whether it was a batch (a list of prompts)."""
+        if req.input_ids is not None:
+            ids = req.input_ids
+            if ids and isinstance(ids[0], list):
+                return [list(p) for p in ids], True
+            return [list(ids)], False  # type: ignore[arg-type]
+        texts = [req.text] if isinstance(req.text, str) else list(req.text or [])
+        return [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts], not isinstance(req.text, str)
+
+    def check_spec(self, index: int, spec: PromptSpec) -> None:
+        """Raise EngineError for a prompt the engine cannot serve, naming the prompt and the fix."""
+        bad = [t for t in spec.prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise EngineError(f"prompt {index} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        if len(spec.prompt_ids) >= self.max_context_len:
+            raise EngineError(
+                f"prompt {index} has {len(spec.prompt_ids)} tokens; the context holds {self.max_context_len} "
+                "(prompt plus output), so shorten it or start the engine with a larger --max-context-len"
+            )
+        if spec.return_routed_experts and not (self.cfg.enable_return_routed_experts and self.moe_layers):
+            raise EngineError(
+                "return_routed_experts needs an MoE model and an engine started with --enable-return-routed-experts"
+            )
+        if spec.routed_experts_start_len < 0:
+            raise EngineError(f"routed_experts_start_len must be >= 0, got {spec.routed_experts_start_len}")
+        if spec.return_logprob and spec.logprob_start_len >= len(spec.prompt_ids):
+            raise EngineError(
+                f"logprob_start_len {spec.logprob_start_len} is not inside prompt {index} of "
+                f"{len(spec.prompt_ids)} tokens; use -1 for output logprobs only"
+            )
+
+    def new_sequence(self, spec: PromptSpec, sample: int) -> Sequence:
+        """Sequence ``sample`` of ``spec``; sample j of a seeded request uses sampling_seed + j."""
+        params = spec.params
+        settings = SamplingSettings(params.temperature, params.top_p, params.top_k)
+        generator = None
+        if not settings.greedy:
+            seed = params.sampling_seed + sample if params.sampling_seed is not None else self._seeds.getrandbits(62)
+            generator = torch.Generator().manual_seed(seed)
+        return Sequence(
+            prompt_ids=spec.prompt_ids,
+            max_new_tokens=params.max_new_tokens,
+            settings=settings,
+            stop_ids=frozenset(params.stop_token_ids or ()),
+            ignore_eos=params.ignore_eos,
+            generator=generator,
+            input_logprob_start=spec.logprob_start_len if spec.return_logprob else -1,
+            rid=spec.rid,
+        )
+
+    def result_of(self, seq: Sequence) -> SequenceResult:
+        """A finished sequence as the protocol layer wants it."""
+        routing = seq.routed_experts()
+        now = time.monotonic()
+        timings = {"e2e_latency": now - seq.created_at}
+        return SequenceResult(
+            prompt_ids=seq.prompt_ids,
+            output_ids=seq.output_ids,
+            output_logprobs=seq.output_logprobs,
+            token_versions=seq.token_versions,
+            finish_reason=seq.finish_reason or {"type": "abort", "message": "unfinished"},
+            current_version=self.generator.version,
+            routed_experts=routing.numpy() if routing is not None else None,
+            input_logprobs=seq.input_logprobs,
+            timings=timings,
+        )
+
+    def abort(self, predicate: Callable[[Sequence], bool], message: str) -> int:
+        """Abort waiting and running sequences matching ``predicate``; call from the scheduler thread."""
+        return self.scheduler.abort_in_loop(predicate, message)
+
+
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    """The request's JSON object ({} for an empty body); a 400 for anything else."""
+    if not request.can_read_body:
+        return {}
+    try:
+        body = await request.json()
+    except ValueError as exc:
+        raise web.HTTPBadRequest(text=f"the request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise web.HTTPBadRequest(text=f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def build_app(engine: Engine) -> web.Application:
+    """The aiohttp application serving ``engine``."""
+    app = web.Application(client_max_size=256 * 1024 * 1024)
+    routes = _Routes(engine)
+    app.router.add_post("/generate", routes.generate)
+    app.router.add_post("/init_weights_update_group", routes.init_group)
+    app.router.add_post("/destroy_weights_update_group", routes.destroy_group)
+    app.router.add_post("/begin_weight_update", routes.begin_update)
+    app.router.add_post("/end_weight_update", routes.end_update)
+    app.router.add_post("/update_weights_from_distributed", routes.update_from_distributed)
+    app.router.add_post("/update_weight_version", routes.update_version)
+    app.router.add_post("/pause_generation", routes.pause)
+    app.router.add_post("/continue_generation", routes.resume)
+    app.router.add_post("/flush_cache", routes.flush_cache)
+    app.router.add_post("/abort_request", routes.abort_request)
+    app.router.add_get("/model_info", routes.model_info)
+    app.router.add_get("/get_model_info", routes.model_info)
+    app.router.add_get("/get_weight_version", routes.weight_version)
+    app.router.add_get("/get_load", routes.get_load)
+    app.router.add_get("/health", routes.health)
+    app.router.add_get("/health_generate", routes.health_generate)
+
+    async def on_startup(_: web.Application) -> None:
+        engine.scheduler.start()
+
+    async def on_cleanup(_: web.Application) -> None:
+        engine.scheduler.stop()
+        for group in engine.groups.values():
+            group.close()
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    return app
+
+
+class _Routes:
+    """Request handlers; each one parses, validates and hands the work to the engine."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._warned: set[str] = set()
+
+    async def generate(self, request: web.Request) -> web.Response:
+        """``POST /generate``."""
+        engine = self.engine
+        try:
+            req = GenerateRequest.model_validate(await _json_body(request))
+            prompts, batched = engine.prompts_of(req)
+            specs = split_prompts(req, prompts, uuid.uuid4().hex)
+            for i, spec in enumerate(specs):
+                engine.check_spec(i, spec)
+        except (ValidationError, EngineError, ValueError) as exc:
+            return _error(f"invalid /generate request: {exc}")
+        self._warn_ignored(req.ignored_fields() + [f for s in specs for f in s.params.ignored_fields()])
+        seqs, owners, waits = self._start(specs)
+        try:
+            await asyncio.gather(*waits)
+        except asyncio.CancelledError:
+            # The client went away: free the rows instead of generating for nobody.
+            for seq in seqs:
+                seq.abort_requested = True
+            wanted = set(map(id, seqs))
+            engine.scheduler.abort_waiting(lambda s: id(s) in wanted, "the client went away")
+            raise
+        answers = [
+            build_response(
+                spec, engine.result_of(seq), str(engine.tokenizer.decode(seq.output_ids, skip_special_tokens=True))
+            )
+            for spec, seq in zip(owners, seqs, strict=False)
+        ]
+        return web.json_response(answers if batched or len(answers) > 1 else answers[0])
+
+    def _warn_ignored(self, fields: list[str]) -> None:
+        for name in fields:
+            if name not in self._warned:
+                self._warned.add(name)
+                log.warning("/generate field %r is not implemented by the CPU engine and is ignored", name)
+
+    def _start(
+        self, specs: list[PromptSpec]
+    ) -> tuple[list[Sequence], list[PromptSpec], list[asyncio.Future[Sequence]]]:
+        """Create ``n`` sequences per prompt, in prompt-major order, and queue them; return them with their futures."""
+        loop = asyncio.get_running_loop()
+        seqs: list[Sequence] = []
+        owners: list[PromptSpec] = []
+        waits: list[asyncio.Future[Sequence]] = []
+        for spec in specs:
+            for j in range(spec.params.n):
+                seq = self.engine.new_sequence(spec, j)
+                done: asyncio.Future[Sequence] = loop.create_future()
+                seq.on_finish = _resolver(loop, done)
+                seqs.append(seq)
+                owners.append(spec)
+                waits.append(done)
+        self.engine.scheduler.submit(seqs)
+        return seqs, owners, waits
+
+    async def init_group(self, request: web.Request) -> web.Response:
+        """``POST /init_weights_update_group``: join the trainer's weight group; answers once joined."""
+        try:
+            body = InitGroupRequest.model_validate(await _json_body(request))
+        except ValidationError as exc:
+            return _reply(False, f"invalid /init_weights_update_group request: {exc}")
+        if body.backend != "gloo":
+            return _reply(False, f"backend {body.backend!r} is not available in the CPU engine; use backend 'gloo'")
+        old = self.engine.groups.pop(body.group_name, None)
+        if old is not None:
+            old.close()
+        try:
+            group = await asyncio.to_thread(
+                init_weight_group,
+                body.master_address,
+                body.master_port,
+                body.rank_offset,
+                body.world_size,
+                body.group_name,
+                "gloo",
+                body.timeout_s,
+            )
+        except (SluiceError, RuntimeError) as exc:
+            return _reply(False, f"could not join weight group {body.group_name!r}: {exc}")
+        self.engine.groups[body.group_name] = group
+        return _reply(True, f"joined weight group {body.group_name!r} as rank {body.rank_offset} of {body.world_size}")
+
+    async def destroy_group(self, request: web.Request) -> web.Response:
+        """``POST /destroy_weights_update_group``."""
+        body = await _json_body(request)
+        name = body.get("group_name", "weight_update_group")
+        group = self.engine.groups.pop(name, None)
+        if group is None:
+            return _reply(False, f"no weight group named {name!r}")
+        group.close()
+        return _reply(True, f"left weight group {name!r}")
+
+    async def begin_update(self, request: web.Request) -> web.Response:
+        """``POST /begin_weight_update``: open the window in which updates are accepted."""
+        self.engine.update_window_open = True
+        return _reply(True, "weight update window opened")
+
+    async def end_update(self, request: web.Request) -> web.Response:
+        """``POST /end_weight_update``."""
+        self.engine.update_window_open = False
+        return _reply(True, "weight update window closed")
+
+    async def update_from_distributed(self, request: web.Request) -> web.Response:
+        """``POST /update_weights_from_distributed``: receive the announced tensors, then load them between steps."""
+        engine = self.engine
+        if not engine.update_window_open:
+            return _reply(
+                False, "update_weights_from_distributed must come between /begin_weight_update and /end_weight_update"
+            )
+        try:
+            body = UpdateFromDistributedRequest.model_validate(await _json_body(request))
+        except ValidationError as exc:
+            return _reply(False, f"invalid /update_weights_from_distributed request: {exc}")
+        try:
+            engine.weights.check(body.names, body.dtypes, body.shapes)
+        except EngineError as exc:
+            return _reply(False, f"{exc}; nothing was received and the old weights are kept")
+        group = engine.groups.get(body.group_name)
+        if group is None:
+            return _reply(False, f"no weight group named {body.group_name!r}; call /init_weights_update_group first")
+        async with engine.update_lock:
+            try:
+                # Received off the scheduler thread into fresh buffers, so generation goes on during the transfer
+                # and a failed transfer leaves the old weights whole.
+                tensors = await asyncio.to_thread(engine.weights.receive, group, body.names, body.dtypes, body.shapes)
+            except (SluiceError, RuntimeError) as exc:
+                return _reply(False, f"receiving the weights failed, old weights kept: {exc}", status=500)
+            await asyncio.wrap_future(engine.scheduler.call(lambda: self._load(tensors, body)))
+        return _reply(True, f"loaded {len(tensors)} tensors; weight_version {engine.generator.version}")
+
+    def _load(self, tensors: list[tuple[str, torch.Tensor]], body: UpdateFromDistributedRequest) -> None:
+        """Runs in the scheduler thread, between two forward passes."""
+        if body.abort_all_requests:
+            self.engine.abort(lambda s: True, "aborted by a weight update")
+        self.engine.weights.apply(tensors)
+        if body.weight_version is not None:
+            self.engine.generator.version = body.weight_version
+
+    async def update_version(self, request: web.Request) -> web.Response:
+        """``POST /update_weight_version``."""
+        body = await _json_body(request)
+        if "new_version" not in body:
+            return _reply(False, "update_weight_version needs new_version")
+        version, abort_all = str(body["new_version"]), bool(body.get("abort_all_requests", True))
+
+        def action() -> None:
+            if abort_all:
+                self.engine.abort(lambda s: True, "aborted by a weight version update")
+            self.engine.generator.version = version
+
+        await asyncio.wrap_future(self.engine.scheduler.call(action))
+        return _reply(True, f"weight_version is now {version}")
+
+    async def pause(self, request: web.Request) -> web.Response:
+        """``POST /pause_generation``."""
+        body = await _json_body(request)
+        mode = body.get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            return _reply(False, f"pause mode {mode!r} is unknown; use abort, retract or in_place")
+        self.engine.scheduler.set_paused(True)
+        if mode == "abort":
+            await asyncio.wrap_future(
+                self.engine.scheduler.call(lambda: self.engine.abort(lambda s: True, "aborted by pause_generation"))
+            )
+        return _reply(True, f"generation paused ({mode})")
+
+    async def resume(self, request: web.Request) -> web.Response:
+        """``POST /continue_generation``."""
+        self.engine.scheduler.set_paused(False)
+        return _reply(True, "generation continues")
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        """``POST /flush_cache``: nothing to flush (no prefix cache); kept for protocol compatibility."""
+        return _reply(True, "Cache flushed (the CPU engine keeps no prefix cache).")
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        """``POST /abort_request`` ``{rid, abort_all}``: aborts by request id (rids of the request body)."""
+        body = await _json_body(request)
+        rid, abort_all = body.get("rid"), bool(body.get("abort_all", False))
+        if not abort_all and not rid:
+            return _reply(False, "abort_request needs rid or abort_all=true")
+        count = await asyncio.wrap_future(
+            self.engine.scheduler.call(
+                lambda: self.engine.abort(lambda s: abort_all or s.rid == rid, "aborted by abort_request")
+            )
+        )
+        return _reply(True, f"aborted {count} sequences")
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        """``GET /model_info``."""
+        return web.json_response(self.engine.model_info())
+
+    async def weight_version(self, request: web.Request) -> web.Response:
+        """``GET /get_weight_version``."""
+        return web.json_response({"weight_version": self.engine.generator.version})
+
+    async def get_load(self, request: web.Request) -> web.Response:
+        """``GET /get_load``."""
+        return web.json_response(dataclasses.asdict(self.engine.scheduler.load()))
+
+    async def health(self, request: web.Request) -> web.Response:
+        """``GET /health``: the process is up and the scheduler thread alive."""
+        return (
+            web.Response(text="OK")
+            if self.engine.scheduler.alive
+            else web.Response(status=503, text="scheduler stopped")
+        )
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        """``GET /health_generate``: one greedy token through the whole path."""
+        pad = self.engine.generator.pad_id
+        seq = Sequence([pad], 1, SamplingSettings(0.0, 1.0, -1), frozenset(), True, None, rid="health_generate")
+        done: asyncio.Future[Sequence] = asyncio.get_running_loop().create_future()
+        seq.on_finish = _resolver(asyncio.get_running_loop(), done)
+        self.engine.scheduler.submit([seq])
+        await done
+        return web.Response(text="OK")
+
+
+def _resolver(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Sequence]) -> Callable[[Sequence], None]:
+    """An ``on_finish`` callback, called in the scheduler thread, that settles ``future`` in the event loop."""
+
+    def settle(seq: Sequence) -> None:
+        if not future.done():
+            future.set_result(seq)
+
+    def on_finish(seq: Sequence) -> None:
+        loop.call_soon_threadsafe(settle, seq)
+
+    return on_finish
+
+
+def run_server(cfg: CpuEngineConfig) -> None:
+    """Load the model and serve until SIGINT/SIGTERM."""
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = Engine(cfg)
+    info = engine.model_info()
+    log.info(
+        "CPU engine serving %s on http://%s:%d (dtype %s, %d MoE layers, max_batch %d)",
+        cfg.model_path,
+        cfg.host,
+        cfg.port,
+        cfg.dtype,
+        info["num_moe_layers"],
+        cfg.max_batch,
+    )
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts its sequences.
+    web.run_app(build_app(engine), host=cfg.host, port=cfg.port, print=None, access_log=None, handler_cancellation=True)

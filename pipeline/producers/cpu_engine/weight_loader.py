@@ -1,0 +1,86 @@
+"""Loading weights received over the weight group into the engine's model, by HF parameter name.
+
+Names are the ones SGLang loads: the checkpoint names ``save_pretrained`` writes. For Qwen3-MoE these address one
+expert each (``model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight``), while transformers 5 keeps the experts
+fused in memory (``experts.gate_up_proj`` ``[E, 2I, H]`` with gate first, ``experts.down_proj`` ``[E, H, I]``); the
+per-expert names are therefore mapped onto views of the fused tensors. The in-memory names are accepted too.
+
+An update is all or nothing: every announced name and shape is checked before the first tensor is received (a gloo
+broadcast into a wrong-sized buffer aborts the process), tensors are received into fresh buffers, and the model is
+written only after the last one arrived.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pipeline.errors import EngineError, SyncError
+from pipeline.sync.base import TensorMeta
+from pipeline.sync.weights import WeightGroup, check_announcement, dtype_name, receive_tensors, validate_metas
+
+
+def _fused_expert_views(prefix: str, experts: nn.Module) -> dict[str, torch.Tensor]:
+    """Per-expert checkpoint names mapped to views into a fused experts module (transformers 5 layout)."""
+    gate_up = experts.get_parameter("gate_up_proj").data
+    down = experts.get_parameter("down_proj").data
+    inter = gate_up.shape[1] // 2
+    views: dict[str, torch.Tensor] = {}
+    for e in range(gate_up.shape[0]):
+        views[f"{prefix}.{e}.gate_proj.weight"] = gate_up[e, :inter]
+        views[f"{prefix}.{e}.up_proj.weight"] = gate_up[e, inter:]
+        views[f"{prefix}.{e}.down_proj.weight"] = down[e]
+    return views
+
+
+def weight_targets(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every name an update may address, mapped to the tensor (or view) it writes into."""
+    # keep_vars=True yields the Parameters themselves, including tied aliases such as lm_head.weight.
+    targets: dict[str, torch.Tensor] = {name: t.data for name, t in model.state_dict(keep_vars=True).items()}
+    for name, module in model.named_modules():
+        if (
+            hasattr(module, "gate_up_proj")
+            and hasattr(module, "down_proj")
+            and isinstance(module.down_proj, nn.Parameter)
+        ):
+            targets.update(_fused_expert_views(name, module))
+    return targets
+
+
+class WeightLoader:
+    """Checks weight-update announcements against the model and writes received tensors into it."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._targets = weight_targets(model)
+        self._expected = {
+            name: TensorMeta(name=name, dtype=dtype_name(t.dtype), shape=tuple(t.shape))
+            for name, t in self._targets.items()
+            if t.is_floating_point()
+        }
+
+    @property
+    def names(self) -> list[str]:
+        """Every loadable name."""
+        return sorted(self._expected)
+
+    def check(self, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> None:
+        """Raise EngineError if the announcement does not fit the model; nothing is received or changed."""
+        try:
+            metas = check_announcement(names, dtypes, shapes)
+            # The engine casts on load (a bf16 push into an fp32 engine is fine), so only names and shapes must match.
+            validate_metas(metas, self._expected, match_dtype=False)
+        except SyncError as exc:
+            raise EngineError(str(exc)) from exc
+
+    def receive(
+        self, group: WeightGroup, names: list[str], dtypes: list[str], shapes: list[list[int]]
+    ) -> list[tuple[str, torch.Tensor]]:
+        """Receive the announced tensors into fresh buffers (the model is not touched); ``check`` must pass first."""
+        self.check(names, dtypes, shapes)
+        return list(receive_tensors(group, names, dtypes, shapes))
+
+    def apply(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy received tensors into the model (casting to the model's dtype); call between forward passes."""
+        with torch.no_grad():
+            for name, tensor in tensors:
+                self._targets[name].copy_(tensor)
