@@ -1,0 +1,1 @@
+"""Megatron-core trainer model: CPU shim, config adapter, HF conversion, router replay and checkpoints."""

@@ -1,0 +1,155 @@
+"""Megatron dist-checkpoint save/load of the model plus a plain torch optimizer.
+
+The optimizer state is sharded exactly like the parameters it belongs to, so a checkpoint taken under one TP/EP
+layout loads under another. Saving writes into ``<dir>.tmp`` and renames it into place only when every rank has
+finished, so a crash mid-save never leaves a directory that looks complete. Small scalar metadata (step, policy
+version, ...) goes into a JSON file next to the shards.
+
+megatron's writer runs in a subprocess; scripts that save must guard their entry point with
+``if __name__ == "__main__":``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipeline.errors import ConfigError
+
+_META = "sluice_meta.json"
+_STEP_KEY = "common_step"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _sharded_optimizer_state(optimizer: torch.optim.Optimizer, model_sharded: dict[str, Any]) -> dict[str, Any]:
+    from megatron.core.dist_checkpointing.optimizer import (
+        get_param_id_to_sharded_param_map,
+        optim_state_to_sharding_state,
+    )
+
+    state = optimizer.state_dict()
+    steps = {float(s["step"]) for s in state["state"].values() if "step" in s}
+    if len(steps) > 1:
+        raise ConfigError(f"optimizer parameters are at different steps {sorted(steps)}; cannot save one shared step")
+    id_map = get_param_id_to_sharded_param_map(model_sharded, _optimizer_params(optimizer))
+    missing = set(state["state"]) - set(id_map)
+    if missing:
+        raise ConfigError(f"{len(missing)} optimizer parameters do not belong to the model being checkpointed")
+    # The step is a scalar shared by all parameters; megatron shards only tensors shaped like their parameter.
+    optim_state_to_sharding_state(state, id_map, exclude_keys=("step",))
+    if steps:
+        state["state"][_STEP_KEY] = torch.tensor(steps.pop())
+    return state
+
+
+def _materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's per-parameter buffers (without changing any parameter) so a load has targets.
+
+    One step at lr 0 with zero gradients builds exactly the state a real step would, for any torch optimizer.
+    """
+    if optimizer.state:
+        return
+    saved_lrs = [group["lr"] for group in optimizer.param_groups]
+    params = _optimizer_params(optimizer)
+    saved_grads = [p.grad for p in params]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, saved_lrs):
+        group["lr"] = lr
+    for p, grad in zip(params, saved_grads):
+        p.grad = grad
+
+
+def _sharded_state(model: Any, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    # model is a megatron MegatronModule (GPTModel), whose sharded_state_dict describes each rank's shards.
+    model_sharded = model.sharded_state_dict()
+    state: dict[str, Any] = {"model": model_sharded}
+    if optimizer is not None:
+        state["optimizer"] = _sharded_optimizer_state(optimizer, model_sharded)
+    return state
+
+
+def save_checkpoint(
+    directory: str | Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    meta: dict[str, Any] | None = None,
+) -> float:
+    """Save model (+ optimizer) shards and JSON ``meta`` to ``directory`` atomically; returns seconds taken.
+
+    Collective: every trainer rank must call it. ``directory`` must not exist yet.
+    """
+    from megatron.core import dist_checkpointing
+
+    start = time.perf_counter()
+    final = Path(directory)
+    staging = final.with_name(final.name + ".tmp")
+    if final.exists():
+        raise ConfigError(f"checkpoint {final} already exists; checkpoints are write-once, pick a new step directory")
+    if _rank() == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        (staging / _META).write_text(json.dumps(meta or {}, sort_keys=True))
+    _barrier()
+    dist_checkpointing.save(_sharded_state(model, optimizer), str(staging))
+    _barrier()
+    if _rank() == 0:
+        staging.rename(final)
+    _barrier()
+    return time.perf_counter() - start
+
+
+def read_checkpoint_meta(directory: str | Path) -> dict[str, Any]:
+    """The JSON metadata saved with a checkpoint."""
+    path = Path(directory) / _META
+    if not path.exists():
+        raise ConfigError(f"{directory} is not a complete sluice checkpoint (no {_META})")
+    return dict(json.loads(path.read_text()))
+
+
+def load_checkpoint(
+    directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> dict[str, Any]:
+    """Load model (+ optimizer) state saved by ``save_checkpoint``, resharding to this run's layout; returns meta.
+
+    Collective: every trainer rank must call it.
+    """
+    from megatron.core import dist_checkpointing
+
+    meta = read_checkpoint_meta(directory)
+    if optimizer is not None:
+        _materialize_optimizer_state(optimizer)
+    loaded = dist_checkpointing.load(_sharded_state(model, optimizer), str(directory))
+    model.load_state_dict(loaded["model"], strict=True)
+    if optimizer is not None:
+        _load_optimizer(optimizer, loaded["optimizer"])
+    return meta
+
+
+def _load_optimizer(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    step = state["state"].pop(_STEP_KEY, None)
+    if step is not None:
+        for per_param in state["state"].values():
+            per_param["step"] = step.clone().to(torch.float32)
+    optimizer.load_state_dict(state)
