@@ -8,6 +8,7 @@ the backpressure check and entry bookkeeping.
 
 from __future__ import annotations
 
+import gc
 import statistics
 import tempfile
 import time
@@ -60,6 +61,7 @@ def _raw_round(client: redis.Redis, key: str, blobs: list[bytes], p: QueueBenchP
     client.delete(key)
     client.xgroup_create(key, "trainer", id="0", mkstream=True)
     t0 = time.perf_counter()
+    gc.collect()
     for i in range(0, len(blobs), p.batch_entries):
         pipe = client.pipeline(transaction=False)
         for b in blobs[i : i + p.batch_entries]:
@@ -79,6 +81,7 @@ def _raw_round(client: redis.Redis, key: str, blobs: list[bytes], p: QueueBenchP
 def _sluice_round(queue: SampleQueue, groups: list[list[Sample]], p: QueueBenchParams) -> float:
     queue.redis.delete(queue.keys.samples, queue.keys.produced)
     queue.create_group("trainer", "0")
+    gc.collect()
     t0 = time.perf_counter()
     for i in range(0, len(groups), p.batch_entries):
         queue.put_many(groups[i : i + p.batch_entries])
@@ -113,6 +116,9 @@ def run_queue_bench(p: QueueBenchParams, folder: Path | None = None) -> dict[str
         server = EmbeddedRedis(Path(tmp) / "redis", appendfsync=p.appendfsync).start()  # type: ignore[arg-type]
         try:
             client = server.client()
+            # A background AOF rewrite forks and rewrites the whole file at a moment that depends on history, which
+            # would land on one side of a round at random; turning it off here makes rounds comparable.
+            client.config_set("auto-aof-rewrite-percentage", 0)
             queue = SampleQueue(client, "bench", capacity=n_groups + 1)
             version = client.info("server")["redis_version"]
             raw_t, sluice_t = [], []

@@ -117,7 +117,15 @@ class EmbeddedRedis:
             proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                     stderr=subprocess.DEVNULL, start_new_session=True)
             self.pid, self.port = proc.pid, (None if self.unix_socket else port)
-            if self._wait_ready(proc, timeout_s):
+            try:
+                ready = self._wait_ready(proc, timeout_s)
+            except BaseException:
+                # Never leave an orphan server behind: nobody would know its PID to stop it.
+                proc.kill()
+                proc.wait()
+                self.pid = None
+                raise
+            if ready:
                 self.started_here = True
                 self._write_state()
                 return self
