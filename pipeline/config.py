@@ -11,9 +11,13 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from pipeline.consumers.loss_config import LossConfig
+from pipeline.consumers.staleness import StalenessConfig
 from pipeline.errors import ConfigError
+from pipeline.producers.producer import ProducerConfig
+from pipeline.producers.prompts import PromptConfig
 
 
 class _Strict(BaseModel):
@@ -59,13 +63,139 @@ class RunConfig(_Strict):
     """Global seed."""
 
 
+class ModelSource(_Strict):
+    """The HF model both engines and trainer start from."""
+
+    path: Path | None = None
+    """An HF model folder (config.json, safetensors, tokenizer). None: a tiny model is written into the run folder."""
+    init_tiny: Literal["qwen3", "qwen3-moe"] = "qwen3-moe"
+    """With path unset: the architecture of the tiny model sluice writes (CPU recipes)."""
+    init_overrides: dict[str, int | float | bool | str] = {}
+    """HF config overrides for the tiny model (e.g. num_hidden_layers = 4)."""
+    init_seed: int = Field(0, ge=0)
+    """Seed of the tiny model's initial weights."""
+
+
+class EngineConfig(_Strict):
+    """Rollout engines."""
+
+    type: Literal["cpu", "sglang"] = "cpu"
+    """cpu: sluice starts its CPU engines; sglang: connect to SGLang servers at urls."""
+    count: int = Field(1, ge=1, le=1024)
+    """CPU engines to start."""
+    urls: list[str] = []
+    """Base URLs of running SGLang servers (type = sglang)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the CPU engine (bfloat16 reproduces the rollout/train mismatch R3 removes)."""
+    max_batch: int = Field(32, ge=1, le=4096)
+    """Sequences one CPU engine decodes together."""
+    startup_timeout_s: float = Field(120.0, gt=0)
+    """How long to wait for an engine's /health."""
+
+
+class TrainerConfig(_Strict):
+    """The Megatron-core trainer."""
+
+    steps: int = Field(20, ge=1)
+    """Optimizer steps (one weight push each) to run."""
+    batch_groups: int = Field(4, ge=1)
+    """Prompt groups per step (the global batch; split across data-parallel ranks)."""
+    micro_batch_size: int = Field(8, ge=1)
+    """Samples per forward/backward on one rank."""
+    lr: float = Field(1e-4, gt=0, le=1.0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Gradient-norm clip."""
+    r3: bool = True
+    """Replay the engines' recorded MoE routing in the trainer's router (R3)."""
+    world_size: int = Field(1, ge=1, le=4096)
+    """Trainer ranks (torch.distributed processes)."""
+    tp: int = Field(1, ge=1)
+    """Tensor-parallel size."""
+    ep: int = Field(1, ge=1)
+    """Expert-parallel size."""
+    checkpoint_every: int = Field(5, ge=1)
+    """Commit (checkpoint, ledger, acks) every this many steps."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """Checkpoints kept on disk."""
+    drain_block_ms: int = Field(1000, ge=1)
+    """How long one queue read waits for entries."""
+
+
+class SyncConfig(_Strict):
+    """Weight push from trainer to engines."""
+
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """auto: NCCL on GPU, gloo on CPU."""
+    bucket_mb: int | None = Field(None, ge=1, le=65536)
+    """Bucket size; None: 64 MB on CPU, 512 MB on GPU."""
+    master_port: int = Field(0, ge=0, le=65535)
+    """Port of the trainer's weight-group store; 0 picks a free one."""
+    timeout_s: float = Field(300.0, gt=0)
+    """Timeout of the weight group's collectives."""
+
+
+class EvalConfig(_Strict):
+    """The evaluator consumer attached to the run."""
+
+    enabled: bool = True
+    """Run an evaluator beside the trainer."""
+    group: str = "eval"
+    """Its consumer group."""
+
+
 class SluiceConfig(_Strict):
     """The root of a recipe."""
 
     run: RunConfig = RunConfig()
     """Identity and location of the run."""
+    model: ModelSource = ModelSource()
+    """The starting model."""
+    engine: EngineConfig = EngineConfig()
+    """Rollout engines."""
+    producer: ProducerConfig = ProducerConfig()
+    """Rollout producers."""
+    producers: int = Field(1, ge=1, le=1024)
+    """Producer processes."""
+    prompts: PromptConfig = PromptConfig()
+    """Prompt source."""
+    staleness: StalenessConfig = StalenessConfig()
+    """Staleness policy (also paces producers)."""
+    loss: LossConfig = LossConfig()
+    """Policy-gradient loss and off-policy corrections."""
+    trainer: TrainerConfig = TrainerConfig()
+    """The trainer."""
+    sync: SyncConfig = SyncConfig()
+    """Weight push."""
     queue: QueueConfig = QueueConfig()
     """The sample queue."""
+    eval: EvalConfig = EvalConfig()
+    """Evaluation consumer."""
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> SluiceConfig:
+        problems = []
+        if self.engine.type == "sglang" and not self.engine.urls:
+            problems.append("engine.type = 'sglang' needs engine.urls (base URLs of running SGLang servers)")
+        if self.engine.type == "cpu" and self.engine.urls:
+            problems.append("engine.urls is only read with engine.type = 'sglang'; remove it or switch the type")
+        if self.trainer.r3 and not self.producer.return_routed_experts:
+            problems.append("trainer.r3 replays routing the engines record; set producer.return_routed_experts = "
+                            "true, or trainer.r3 = false")
+        if self.producer.sampling.temperature == 0:
+            problems.append("producer.sampling.temperature = 0 is greedy: every sample of a group is the same and "
+                            "GRPO learns nothing; use a temperature > 0")
+        dp = self.trainer.world_size // max(self.trainer.tp, 1)
+        if self.trainer.world_size % self.trainer.tp:
+            problems.append(f"trainer.world_size={self.trainer.world_size} is not divisible by tp={self.trainer.tp}")
+        elif self.trainer.batch_groups % dp:
+            problems.append(f"trainer.batch_groups={self.trainer.batch_groups} must be a multiple of the "
+                            f"data-parallel size {dp}, so every rank gets the same number of groups")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
 
 
 def _parse_value(raw: str) -> Any:
