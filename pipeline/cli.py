@@ -134,6 +134,55 @@ def cmd_bench_queue(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load(args: argparse.Namespace) -> Any:
+    from pipeline.config import load_config
+
+    overrides = list(args.set or [])
+    if getattr(args, "run_dir", None):
+        overrides.append(f"run.run_dir={json.dumps(str(args.run_dir))}")
+    if getattr(args, "steps", None):
+        overrides.append(f"trainer.steps={int(args.steps)}")
+    return load_config(args.recipe, overrides)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    cfg = _load(args)
+    if args.dry_run:
+        from pipeline.config import dump_config
+
+        print(dump_config(cfg))
+        return 0
+    from pipeline.launch import run
+
+    return run(cfg)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from pipeline.consumers.evaluator import run_eval
+
+    from dataclasses import asdict
+
+    report = run_eval(run_dir=args.run_dir, redis_url=args.redis, run=args.run, group=args.group,
+                      start=args.start, until_idle_s=args.until_idle, reset=args.reset)
+    _print(args, asdict(report), lambda _: print(report.format_table()))
+    return 0
+
+
+def cmd_engine_serve(args: argparse.Namespace) -> int:
+    from pipeline.producers.cpu_engine.__main__ import main as engine_main
+
+    engine_main([args.model_dir, *args.engine_args])
+    return 0
+
+
+def cmd_model_init_tiny(args: argparse.Namespace) -> int:
+    from pipeline.models.tiny import main as tiny_main
+
+    tiny_main(["--arch", args.arch, "--out", args.out, "--seed", str(args.seed),
+               *(x for kv in (args.set or []) for x in ("--set", kv))])
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -158,6 +207,37 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice", description="Asynchronous RL post-training around a durable queue.")
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("run", help="the main job: engines, producers, trainer, archiver, evaluator")
+    p.add_argument("recipe", help="a recipe TOML (see recipes/)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a recipe field (repeatable)")
+    p.add_argument("--run-dir", help="run folder (overrides run.run_dir)")
+    p.add_argument("--steps", type=int, help="trainer steps (overrides trainer.steps)")
+    p.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("eval", help="attach an evaluator consumer to a live or finished run")
+    _add_run_args(p)
+    p.add_argument("--group", default="eval")
+    p.add_argument("--start", default="0", help='"0" from the oldest kept entry, "$" only new ones, or an id')
+    p.add_argument("--until-idle", type=float, default=None, metavar="SECONDS",
+                   help="exit after this long without new entries (default: run until interrupted)")
+    p.add_argument("--reset", action="store_true", help="drop the group and its counters and start over")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("engine", help="rollout engines").add_subparsers(dest="engine_cmd", required=True)
+    p = p.add_parser("serve", help="the CPU engine (SGLang's HTTP protocol) for an HF model folder")
+    p.add_argument("model_dir")
+    p.add_argument("engine_args", nargs=argparse.REMAINDER, help="--port, --dtype, ... (see --help of the engine)")
+    p.set_defaults(func=cmd_engine_serve)
+
+    p = sub.add_parser("model", help="local models").add_subparsers(dest="model_cmd", required=True)
+    p = p.add_parser("init-tiny", help="write a tiny Qwen3 / Qwen3-MoE model and tokenizer (no hub)")
+    p.add_argument("--arch", choices=["qwen3", "qwen3-moe"], default="qwen3-moe")
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="HF config override (repeatable)")
+    p.set_defaults(func=cmd_model_init_tiny)
 
     p = sub.add_parser("demo", help="the queue end to end on this machine (producer, staleness, archive)")
     p.add_argument("--run-dir", default="runs/demo")

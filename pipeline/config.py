@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from pipeline.consumers.evaluator import EvaluatorConfig
 from pipeline.consumers.loss_config import LossConfig
 from pipeline.consumers.staleness import StalenessConfig
 from pipeline.errors import ConfigError
@@ -137,13 +138,11 @@ class SyncConfig(_Strict):
     """Timeout of the weight group's collectives."""
 
 
-class EvalConfig(_Strict):
-    """The evaluator consumer attached to the run."""
+class EvalConfig(EvaluatorConfig):
+    """The evaluator consumer attached to the run (its fields, plus whether to run one)."""
 
     enabled: bool = True
     """Run an evaluator beside the trainer."""
-    group: str = "eval"
-    """Its consumer group."""
 
 
 class SluiceConfig(_Strict):

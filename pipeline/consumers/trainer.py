@@ -1,0 +1,269 @@
+"""The trainer: drains the queue, trains with megatron-core, pushes weights, and commits exactly once.
+
+One process per rank. Rank 0 alone talks to Redis and to the engines; it hands every rank its share of each step's
+prompt groups as msgpack bytes over a gloo group (never pickle). The commit protocol (ARCHITECTURE.md):
+
+1. entries stay pending in the ``trainer`` group while their effect lives only in memory;
+2. a commit writes the ledger segment, then the checkpoint (model, optimizer, policy version), whose rename is the
+   commit point, and only then acks the entries consumed since the previous commit;
+3. a restart loads the last checkpoint and the ledger up to it, acks pending entries already in the ledger, and
+   trains the others again, which is right because the loaded model is from before them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import shutil
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import msgpack
+import torch
+import torch.distributed as dist
+
+from pipeline.consumers.drain import Batch, Drainer
+from pipeline.consumers.ledger import Ledger, LedgerLine
+from pipeline.queue.codec import decode_samples, encode_samples
+from pipeline.queue.redis_streams import SampleQueue
+from pipeline.queue.sample import Sample
+
+log = logging.getLogger(__name__)
+
+
+class StepFn(Protocol):
+    """One optimizer step on this rank's share of prompt groups; returns metrics."""
+
+    def step(self, groups: list[list[Sample]]) -> dict[str, float]: ...
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    """What the loop needs from the recipe (see ``pipeline.config.TrainerConfig``)."""
+
+    steps: int
+    batch_groups: int
+    checkpoint_every: int
+    keep_checkpoints: int
+    run_dir: Path
+
+
+class Trainer:
+    """The driver loop and its step methods. Collective: every rank constructs one and calls ``train``."""
+
+    def __init__(
+        self,
+        settings: TrainerSettings,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        step_fn: StepFn,
+        export_weights: Any,
+        queue: SampleQueue | None,
+        drainer: Drainer | None,
+        ledger: Ledger | None,
+        pusher: Any | None = None,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+    ) -> None:
+        self.s = settings
+        self.model, self.optimizer, self.step_fn = model, optimizer, step_fn
+        self.export_weights = export_weights
+        self.queue, self.drainer, self.ledger, self.pusher = queue, drainer, ledger, pusher
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.ckpt_root = settings.run_dir / "checkpoints"
+        self.metrics_path = settings.run_dir / "metrics" / "trainer.jsonl"
+        self.step = 0
+        self.version = 0
+        self._uncommitted: list[str] = []
+        self._rank0_batch: Batch | None = None
+        self._stop = False
+        self._loop = asyncio.new_event_loop()
+        self._bytes_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+
+    # ----------------------------------------------------------------------------------------------------- loop
+    def train(self) -> None:
+        """Resume, then drain, train, push and commit until ``steps`` steps are done or a stop is requested."""
+        self._install_signal_handlers()
+        self.resume()
+        while self.step < self.s.steps:
+            batch = self.drain()
+            if batch is None:
+                break
+            metrics = self.train_step(batch)
+            self.step += 1
+            self.push_weights()
+            self.record(batch, metrics)
+            if self.step % self.s.checkpoint_every == 0 or self.step == self.s.steps or self._stop:
+                self.commit()
+            if self._stop:
+                break
+        if self._uncommitted:
+            self.commit()
+
+    # ---------------------------------------------------------------------------------------------------- steps
+    def resume(self) -> None:
+        latest = latest_checkpoint(self.ckpt_root)
+        meta: dict[str, Any] = {}
+        if latest is not None:
+            from pipeline.consumers.megatron.checkpoint import load_checkpoint
+
+            meta = load_checkpoint(latest, self.model, self.optimizer)
+            self.step = int(meta["step"])
+        if self.rank == 0:
+            assert self.ledger is not None and self.drainer is not None and self.queue is not None
+            self.ledger.load(self.step if latest is not None else -1)
+            recovery = self.drainer.recover()
+            self.version = self.queue.policy_version()
+            needs_resync = latest is not None or self.version > 0
+            self.queue.log_event("resume", step=self.step, version=self.version,
+                                 already_committed=recovery.already_committed, redo=recovery.to_redo)
+        else:
+            needs_resync = False
+        needs_resync = bool(self._share({"resync": needs_resync})["resync"])
+        if needs_resync:
+            # The engines may hold weights trained on data this checkpoint has not seen; give them ours.
+            self.push_weights()
+
+    def drain(self) -> Batch | None:
+        """Rank 0 reads a batch; every rank gets its data-parallel share. None means stop."""
+        batch: Batch | None = None
+        if self.rank == 0:
+            assert self.drainer is not None and self.queue is not None
+            queue = self.queue
+            batch = self.drainer.next_batch(self.s.batch_groups, self.step, queue.policy_version,
+                                            should_stop=lambda: self._stop)
+            if self._stop and len(batch.groups) < self.s.batch_groups:
+                # A partial batch is not trained; its entries stay pending and are redone after a restart.
+                batch = None
+        self._rank0_batch = batch
+        payload = None if batch is None else [encode_samples(g) for g in batch.groups]
+        shared = self._share({"groups": payload})
+        if shared["groups"] is None:
+            self._stop = True
+            return None
+        # Rank 0 keeps the whole batch for the ledger; every rank trains on its data-parallel share.
+        groups = [decode_samples(b) for b in shared["groups"]]
+        return Batch(groups=groups[self.dp_rank :: self.dp_size])
+
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        start = time.perf_counter()
+        metrics = dict(self.step_fn.step(batch.groups))
+        metrics["time/step_s"] = time.perf_counter() - start
+        return metrics
+
+    def push_weights(self) -> None:
+        """Send the new weights to every engine, then advance the policy version (rank 0)."""
+        start = time.perf_counter()
+        weights = list(self.export_weights())  # collective: every rank iterates; only rank 0 receives tensors
+        if self.rank != 0:
+            return
+        assert self.queue is not None
+        next_version = self.version + 1
+        if self.pusher is not None:
+            self._loop.run_until_complete(self.pusher.push(weights, next_version))
+        # Only after every engine confirmed: INCR, never SET, so the counter can never go back.
+        self.version = int(self.queue.redis.incr(self.queue.keys.policy_version))
+        self.queue.log_event("weight_push", version=self.version, step=self.step,
+                             seconds=round(time.perf_counter() - start, 4), engines=0 if self.pusher is None
+                             else len(getattr(self.pusher, "engines", [])))
+
+    def record(self, batch: Batch, metrics: dict[str, float]) -> None:
+        if self.rank != 0:
+            return
+        assert self.ledger is not None
+        full = self._rank0_batch
+        assert full is not None
+        trained = [LedgerLine(s.sample_id, entry_id, "trained", self.step, self.version)
+                   for entry_id, group in zip(full.group_entries, full.groups) for s in group]
+        self.ledger.record([*full.lines, *trained])
+        self._uncommitted.extend(full.consumed)
+        rewards = [s.reward for g in full.groups for s in g]
+        row = {
+            "step": self.step, "policy_version": self.version, "time": time.time(),
+            "reward_mean": sum(rewards) / max(len(rewards), 1), "groups": len(full.groups),
+            "samples": len(rewards), "lag_max": max(full.lags, default=0),
+            **full.counts.as_metrics(), **metrics,
+        }
+        self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        log.info("step %d version %d reward %.3f loss %.4f", self.step, self.version, row["reward_mean"],
+                 metrics.get("loss", float("nan")))
+
+    def commit(self) -> None:
+        """Ledger segment, then checkpoint (the commit point), then acks; collective."""
+        from pipeline.consumers.megatron.checkpoint import save_checkpoint
+
+        directory = self.ckpt_root / f"step-{self.step:08d}"
+        if directory.exists():
+            raise RuntimeError(f"checkpoint {directory} exists already: a step number was reused, which would "
+                               "break the ledger's exactly-once accounting")
+        if self.rank == 0:
+            assert self.ledger is not None
+            self.ledger.write_segment(self.step)
+        seconds = save_checkpoint(directory, self.model, self.optimizer,
+                                  meta={"step": self.step, "policy_version": self.version})
+        if self.rank == 0:
+            assert self.ledger is not None and self.queue is not None
+            self.ledger.mark_committed(self.step)
+            self.queue.ack("trainer", self._uncommitted)
+            self.queue.log_event("checkpoint", step=self.step, version=self.version, acked=len(self._uncommitted),
+                                 seconds=round(seconds, 3))
+            self._uncommitted = []
+            prune_checkpoints(self.ckpt_root, self.s.keep_checkpoints)
+
+    # -------------------------------------------------------------------------------------------------- helpers
+    def _share(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """Rank 0's ``obj`` on every rank, as msgpack over gloo."""
+        if self._bytes_group is None or dist.get_world_size() == 1:
+            return obj
+        return broadcast_msgpack(obj if self.rank == 0 else None, self._bytes_group)
+
+    def _install_signal_handlers(self) -> None:
+        def request_stop(signum: int, _frame: object) -> None:
+            log.warning("signal %d: finishing the current step, committing, then exiting", signum)
+            self._stop = True
+
+        try:
+            signal.signal(signal.SIGTERM, request_stop)
+            signal.signal(signal.SIGINT, request_stop)
+        except ValueError:
+            pass  # not the main thread (tests); no handler, the caller stops us
+
+    def close(self) -> None:
+        if self.pusher is not None:
+            self._loop.run_until_complete(self.pusher.close())
+        self._loop.close()
+
+
+def broadcast_msgpack(obj: Any, group: Any) -> Any:
+    """Broadcast a msgpack-able object from rank 0 (pass None elsewhere)."""
+    if dist.get_rank() == 0:
+        data = msgpack.packb(obj, use_bin_type=True)
+        size = torch.tensor([len(data)], dtype=torch.int64)
+    else:
+        size = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(size, src=0, group=group)
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if dist.get_rank() == 0 else \
+        torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(buf, src=0, group=group)
+    return msgpack.unpackb(buf.numpy().tobytes(), raw=False)
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The newest complete checkpoint (``.tmp`` folders are unfinished saves and are ignored)."""
+    done = sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
+    return done[-1] if done else None
+
+
+def prune_checkpoints(root: Path, keep: int) -> None:
+    for p in sorted(p for p in root.glob("step-*") if not p.name.endswith(".tmp"))[:-keep]:
+        shutil.rmtree(p, ignore_errors=True)
+    for p in root.glob("step-*.tmp"):
+        shutil.rmtree(p, ignore_errors=True)

@@ -1,0 +1,228 @@
+"""``sluice run``: place, start and supervise every process of a run on this machine.
+
+The launcher owns the run folder and the embedded Redis. It starts the CPU engines (or connects to SGLang servers),
+the producers, the trainer ranks and the evaluator as child processes, archives the queue in a thread of its own,
+and restarts what dies: a producer or engine simply comes back (producers hold no state; a restarted engine's stale
+weights make the trainer's next push fail, and the restarted trainer resynchronises every engine), and the trainer
+resumes from its last checkpoint. It stops when the trainer finishes its steps.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from pipeline.config import SluiceConfig
+from pipeline.errors import EngineError, SluiceError
+from pipeline.queue.archive import Archiver
+from pipeline.queue.redis_server import free_port
+from pipeline.queue.rundir import RunHandle, open_run
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.json"
+MAX_RESTARTS = 5
+
+
+def prepare_run(cfg: SluiceConfig) -> tuple[RunHandle, Path]:
+    """Create the run folder, start (or reuse) its Redis, write the resolved config, and make sure a model exists."""
+    run_dir = Path(cfg.run.run_dir)
+    handle = open_run(run_dir=run_dir, redis_url=cfg.queue.redis_url, run=cfg.run.name, create=True,
+                      appendfsync=cfg.queue.appendfsync, capacity=cfg.queue.capacity)
+    model_dir = model_folder(cfg)
+    if not (model_dir / "config.json").exists():
+        if cfg.model.path is not None:
+            raise SluiceError(f"model.path {model_dir} has no config.json; point it at an HF model folder")
+        from pipeline.models.tiny import init_tiny_model
+
+        init_tiny_model(cfg.model.init_tiny, model_dir, seed=cfg.model.init_seed, **cfg.model.init_overrides)
+    (run_dir / CONFIG_FILE).write_text(json.dumps(cfg.model_dump(mode="json"), indent=1))
+    for name in ("trainer", *(["archive"] if cfg.queue.archive.enabled else []),
+                 *([cfg.eval.group] if cfg.eval.enabled else [])):
+        handle.queue.create_group(name, "0")
+    return handle, model_dir
+
+
+def model_folder(cfg: SluiceConfig) -> Path:
+    return Path(cfg.model.path) if cfg.model.path is not None else Path(cfg.run.run_dir) / "model"
+
+
+def load_run_config(run_dir: Path) -> SluiceConfig:
+    return SluiceConfig.model_validate(json.loads((run_dir / CONFIG_FILE).read_text()))
+
+
+@dataclass
+class Child:
+    """A supervised child process."""
+
+    name: str
+    cmd: list[str]
+    env: dict[str, str]
+    log_path: Path
+    restartable: bool = True
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    done: bool = False
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        out = open(self.log_path, "ab")
+        # Own session: a Ctrl-C to the launcher reaches children through the launcher's orderly shutdown only.
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        out.close()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@dataclass
+class Supervisor:
+    """Starts children and restarts the ones that die, up to MAX_RESTARTS each."""
+
+    children: dict[str, Child] = field(default_factory=dict)
+
+    def add(self, child: Child) -> None:
+        self.children[child.name] = child
+        child.start()
+
+    def poll(self) -> list[str]:
+        """Restart dead children; returns the names of those that finished cleanly and are not restarted."""
+        finished = []
+        for child in self.children.values():
+            if child.done or child.proc is None or child.proc.poll() is None:
+                continue
+            code = child.proc.returncode
+            if not child.restartable:
+                # Finished for good, or failed: the caller decides (trainer ranks restart as a group).
+                if code == 0:
+                    child.done = True
+                    finished.append(child.name)
+                continue
+            if child.restarts >= MAX_RESTARTS:
+                raise SluiceError(f"{child.name} died {child.restarts + 1} times (last exit code {code}); see "
+                                  f"{child.log_path}")
+            child.restarts += 1
+            log.warning("%s exited with code %s; restart %d of %d", child.name, code, child.restarts, MAX_RESTARTS)
+            child.start()
+        return finished
+
+    def stop_all(self) -> None:
+        for child in reversed(list(self.children.values())):
+            child.stop()
+
+
+def _child_env(threads: int = 1, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(threads))
+    env.update(extra)
+    return env
+
+
+def wait_healthy(urls: list[str], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    pending = list(urls)
+    while pending and time.monotonic() < deadline:
+        for url in list(pending):
+            try:
+                if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                    pending.remove(url)
+            except httpx.HTTPError:
+                pass
+        time.sleep(0.2)
+    if pending:
+        raise EngineError(f"engines {pending} did not answer /health within {timeout_s:.0f}s; see their logs")
+
+
+def start_engines(cfg: SluiceConfig, sup: Supervisor, model_dir: Path, run_dir: Path) -> list[str]:
+    if cfg.engine.type == "sglang":
+        wait_healthy(list(cfg.engine.urls), cfg.engine.startup_timeout_s)
+        return list(cfg.engine.urls)
+    urls = []
+    for i in range(cfg.engine.count):
+        port = free_port()
+        cmd = [sys.executable, "-m", "pipeline.producers.cpu_engine", str(model_dir), "--port", str(port),
+               "--dtype", cfg.engine.dtype, "--max-batch", str(cfg.engine.max_batch), "--seed", str(cfg.run.seed + i),
+               "--log-level", "warning"]
+        if cfg.producer.return_routed_experts:
+            cmd.append("--enable-return-routed-experts")
+        sup.add(Child(f"engine-{i}", cmd, _child_env(), run_dir / "logs" / f"engine-{i}.log"))
+        urls.append(f"http://127.0.0.1:{port}")
+    wait_healthy(urls, cfg.engine.startup_timeout_s)
+    return urls
+
+
+def run(cfg: SluiceConfig) -> int:
+    """The whole job on this machine; returns the exit code."""
+    handle, model_dir = prepare_run(cfg)
+    run_dir = Path(cfg.run.run_dir)
+    sup = Supervisor()
+    stop = threading.Event()
+    archiver_thread = None
+    try:
+        urls = start_engines(cfg, sup, model_dir, run_dir)
+        (run_dir / "engines.json").write_text(json.dumps(urls))
+        base = [sys.executable, "-m", "pipeline.processes"]
+        for i in range(cfg.producers):
+            sup.add(Child(f"producer-{i}", [*base, "producer", str(run_dir), f"producer-{i}"], _child_env(),
+                          run_dir / "logs" / f"producer-{i}.log"))
+        master_port = str(free_port())
+        for rank in range(cfg.trainer.world_size):
+            env = _child_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(cfg.trainer.world_size),
+                             MASTER_ADDR="127.0.0.1", MASTER_PORT=master_port)
+            sup.add(Child(f"trainer-{rank}", [*base, "trainer", str(run_dir)], env,
+                          run_dir / "logs" / f"trainer-{rank}.log", restartable=False))
+        if cfg.eval.enabled:
+            sup.add(Child("evaluator", [*base, "evaluator", str(run_dir)], _child_env(),
+                          run_dir / "logs" / "evaluator.log"))
+        if cfg.queue.archive.enabled:
+            archiver = Archiver(handle.queue, run_dir / "archive", segment_samples=cfg.queue.archive.segment_samples,
+                                flush_interval_s=cfg.queue.archive.flush_interval_s)
+            archiver_thread = threading.Thread(target=archiver.run, kwargs={"stop": stop}, daemon=True)
+            archiver_thread.start()
+        trainers = {f"trainer-{r}" for r in range(cfg.trainer.world_size)}
+        finished: set[str] = set()
+        while not trainers <= finished:
+            finished.update(sup.poll())
+            _restart_trainer_group_if_needed(sup, trainers)
+            time.sleep(0.5)
+        return 0
+    finally:
+        stop.set()
+        sup.stop_all()
+        if archiver_thread is not None:
+            archiver_thread.join(timeout=60)
+        handle.close(stop_server=True)
+
+
+def _restart_trainer_group_if_needed(sup: Supervisor, trainers: set[str]) -> None:
+    """Trainer ranks live and die together: if one failed, stop the others and start the whole group again."""
+    procs = [sup.children[n] for n in sorted(trainers)]
+    failed = [c for c in procs if c.proc is not None and c.proc.poll() not in (None, 0)]
+    if not failed:
+        return
+    for c in procs:
+        c.stop()
+    if max(c.restarts for c in procs) >= MAX_RESTARTS:
+        raise SluiceError(f"the trainer failed {MAX_RESTARTS + 1} times; see {failed[0].log_path}")
+    for c in procs:
+        c.restarts += 1
+        log.warning("restarting %s from its last checkpoint (restart %d)", c.name, c.restarts)
+        c.start()
