@@ -14,8 +14,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pipeline.consumers.evaluator import EvaluatorConfig
-from pipeline.consumers.loss_config import LossConfig
 from pipeline.consumers.staleness import StalenessConfig
+from pipeline.consumers.train_config import TrainStepConfig
 from pipeline.errors import ConfigError
 from pipeline.producers.producer import ProducerConfig
 from pipeline.producers.prompts import PromptConfig
@@ -94,23 +94,13 @@ class EngineConfig(_Strict):
     """How long to wait for an engine's /health."""
 
 
-class TrainerConfig(_Strict):
-    """The Megatron-core trainer."""
+class TrainerConfig(TrainStepConfig):
+    """The Megatron-core trainer: the train step's settings (lr, r3, micro-batching, loss, ...) plus the loop's."""
 
     steps: int = Field(20, ge=1)
     """Optimizer steps (one weight push each) to run."""
     batch_groups: int = Field(4, ge=1)
     """Prompt groups per step (the global batch; split across data-parallel ranks)."""
-    micro_batch_size: int = Field(8, ge=1)
-    """Samples per forward/backward on one rank."""
-    lr: float = Field(1e-4, gt=0, le=1.0)
-    """AdamW learning rate."""
-    weight_decay: float = Field(0.0, ge=0)
-    """AdamW weight decay."""
-    grad_clip: float = Field(1.0, gt=0)
-    """Gradient-norm clip."""
-    r3: bool = True
-    """Replay the engines' recorded MoE routing in the trainer's router (R3)."""
     world_size: int = Field(1, ge=1, le=4096)
     """Trainer ranks (torch.distributed processes)."""
     tp: int = Field(1, ge=1)
@@ -162,8 +152,6 @@ class SluiceConfig(_Strict):
     """Prompt source."""
     staleness: StalenessConfig = StalenessConfig()
     """Staleness policy (also paces producers)."""
-    loss: LossConfig = LossConfig()
-    """Policy-gradient loss and off-policy corrections."""
     trainer: TrainerConfig = TrainerConfig()
     """The trainer."""
     sync: SyncConfig = SyncConfig()

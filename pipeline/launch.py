@@ -76,11 +76,10 @@ class Child:
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        out = open(self.log_path, "ab")
-        # Own session: a Ctrl-C to the launcher reaches children through the launcher's orderly shutdown only.
-        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
-        out.close()
+        with open(self.log_path, "ab") as out:
+            # Own session: a Ctrl-C to the launcher reaches children through the launcher's orderly shutdown only.
+            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
 
     def stop(self, timeout_s: float = 30.0) -> None:
         if self.proc is None or self.proc.poll() is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -60,16 +61,24 @@ def producer_main(run_dir: Path, name: str) -> None:
 
 def trainer_main(run_dir: Path) -> None:
     """One trainer rank (RANK/WORLD_SIZE/MASTER_* come from the launcher's environment)."""
-    from pipeline.consumers.train_main import run_trainer
+    import torch.distributed as dist
 
-    run_trainer(run_dir, load_run_config(run_dir), model_folder(load_run_config(run_dir)))
+    from pipeline.consumers.train_main import run_trainer
+    from pipeline.producers.sglang_client import SGLangClient
+
+    cfg = load_run_config(run_dir)
+    rank = int(os.environ.get("RANK", "0"))
+    urls = json.loads((run_dir / "engines.json").read_text()) if rank == 0 else []
+    try:
+        run_trainer(run_dir, cfg, model_folder(cfg), engines=[SGLangClient(u) for u in urls])
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def evaluator_main(run_dir: Path) -> None:
     """The evaluator consumer of the run, until SIGTERM."""
-    from pipeline.consumers.evaluator import run_eval
-
-    from pipeline.consumers.evaluator import EvaluatorConfig
+    from pipeline.consumers.evaluator import EvaluatorConfig, run_eval
 
     cfg = load_run_config(run_dir)
     stop = threading.Event()

@@ -55,7 +55,6 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.consumers.batch import (
     RoutingShape,
@@ -66,49 +65,23 @@ from pipeline.consumers.batch import (
 )
 from pipeline.consumers.loss import LossConfig, kl_penalty, policy_loss
 from pipeline.consumers.megatron.config import ModelConfig
-from pipeline.consumers.megatron.model import allreduce_gradients, forward_logits, model_device
-from pipeline.consumers.megatron.router_replay import RouterReplay, from_megatron_layers, topk_match
+from pipeline.consumers.megatron.model import (
+    allreduce_gradients,
+    forward_logits,
+    model_device,
+)
+from pipeline.consumers.megatron.router_replay import (
+    RouterReplay,
+    from_megatron_layers,
+    topk_match,
+)
+from pipeline.consumers.train_config import TrainStepConfig
 from pipeline.errors import ConfigError, SampleError
 from pipeline.queue.sample import Sample
 
 log = logging.getLogger(__name__)
 Tensor = torch.Tensor
 G = TypeVar("G")
-
-
-class TrainStepConfig(BaseModel):
-    """The training step: R3, micro-batching, optimizer and loss."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    r3: bool = True
-    """Replay the rollout's MoE routing (R3) in the proximal and training forwards; ignored for dense models."""
-    measure_r3: bool = True
-    """One extra no-grad forward per micro-batch to measure mismatch and routing agreement the other way."""
-    temperature: float | None = Field(default=None, gt=0.0, le=100.0)
-    """Score tokens at this temperature; None = each sample's own sampling temperature."""
-    micro_batch_samples: int = Field(default=8, ge=1, le=1 << 20)
-    """Most samples in one forward/backward."""
-    micro_batch_tokens: int | None = Field(default=None, ge=1, le=1 << 30)
-    """Most padded tokens (rows x padded length) in one forward/backward; None = no token budget."""
-    lr: float = Field(default=1e-6, gt=0.0, le=1.0)
-    """AdamW learning rate."""
-    weight_decay: float = Field(default=0.0, ge=0.0, le=1.0)
-    """AdamW decoupled weight decay."""
-    adam_beta1: float = Field(default=0.9, ge=0.0, lt=1.0)
-    """AdamW first-moment decay."""
-    adam_beta2: float = Field(default=0.999, ge=0.0, lt=1.0)
-    """AdamW second-moment decay."""
-    adam_eps: float = Field(default=1e-8, gt=0.0, le=1.0)
-    """AdamW denominator epsilon."""
-    grad_clip: float | None = Field(default=1.0, gt=0.0, le=1e6)
-    """Clip the global gradient norm (over all ranks, experts included) to this; None = no clipping."""
-    failed_in_group_stats: bool = True
-    """Failed/aborted samples (never trained on) still count in their group's GRPO reward mean and std."""
-    pad_token_id: int = Field(default=0, ge=0, le=1 << 22)
-    """Token id written into padding (never scored)."""
-    loss: LossConfig = Field(default_factory=LossConfig)
-    """The policy-gradient loss."""
 
 
 def shard_groups(groups: Sequence[G], dp_rank: int, dp_size: int) -> list[G]:
@@ -232,7 +205,9 @@ def _final_metrics(sums: dict[str, float], maxes: dict[str, float]) -> dict[str,
 def _vocab_parallel_entropy(scaled: Tensor) -> Tensor:
     """Entropy ``[B, T]`` of softmax(scaled) where the vocabulary may be split over the TP ranks."""
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+    from megatron.core.tensor_parallel.mappings import (
+        reduce_from_tensor_model_parallel_region,
+    )
 
     split = ps.get_tensor_model_parallel_world_size() > 1
     peak = scaled.detach().amax(-1, keepdim=True)

@@ -67,6 +67,7 @@ class Trainer:
         drainer: Drainer | None,
         ledger: Ledger | None,
         pusher: Any | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
         dp_rank: int = 0,
         dp_size: int = 1,
     ) -> None:
@@ -83,7 +84,8 @@ class Trainer:
         self._uncommitted: list[str] = []
         self._rank0_batch: Batch | None = None
         self._stop = False
-        self._loop = asyncio.new_event_loop()
+        # The pusher's HTTP clients live on one event loop; every push runs on it.
+        self._loop = loop or asyncio.new_event_loop()
         self._bytes_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
 
     # ----------------------------------------------------------------------------------------------------- loop
@@ -238,8 +240,15 @@ class Trainer:
 
     def close(self) -> None:
         if self.pusher is not None:
-            self._loop.run_until_complete(self.pusher.close())
+            self._loop.run_until_complete(self._close_pusher())
         self._loop.close()
+
+    async def _close_pusher(self) -> None:
+        try:
+            await self.pusher.close()
+        finally:
+            for engine in self.pusher.engines:
+                await engine.close()
 
 
 def broadcast_msgpack(obj: Any, group: Any) -> Any:

@@ -109,3 +109,7 @@ class WeightUpdateEngine(Protocol):
     async def destroy_weights_update_group(self, group_name: str) -> EngineReply:
         """Leave the weight group (SGLang refuses to join a group name it already holds)."""
         ...
+
+    async def close(self) -> None:
+        """Release the client's connections."""
+        ...
