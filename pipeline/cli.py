@@ -98,6 +98,10 @@ def cmd_queue_audit(args: argparse.Namespace) -> int:
     handle = _open(args)
     try:
         rep = asdict(audit(handle.queue, with_samples=args.samples))
+        if handle.run_dir is not None and (handle.run_dir / "ledger").is_dir():
+            from pipeline.consumers.audit import audit_trainer
+
+            rep["trainer_ledger"] = asdict(audit_trainer(handle.queue, handle.run_dir))
     finally:
         handle.close(stop_server=True)
 
@@ -108,6 +112,11 @@ def cmd_queue_audit(args: argparse.Namespace) -> int:
               f"{r['duplicate_sample_ids']}")
         for g, c in r["groups"].items():
             print(f"  {g}: " + ", ".join(f"{k} {v}" for k, v in sorted(c.items())))
+        t = r.get("trainer_ledger")
+        if t:
+            print(f"  trainer ledger (committed step {t['committed_step']}): trained {t['trained']}, stale "
+                  f"{t['stale']}, invalid {t['invalid']}, pending {t['pending']}, undelivered {t['undelivered']}, "
+                  f"duplicates {t['duplicates']}, lost {t['lost']}")
 
     _print(args, rep, human)
     return 0
@@ -158,9 +167,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from pipeline.consumers.evaluator import run_eval
-
     from dataclasses import asdict
+
+    from pipeline.consumers.evaluator import run_eval
 
     report = run_eval(run_dir=args.run_dir, redis_url=args.redis, run=args.run, group=args.group,
                       start=args.start, until_idle_s=args.until_idle, reset=args.reset)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import shutil
 import signal
 import time
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ import msgpack
 import torch
 import torch.distributed as dist
 
+from pipeline.consumers.checkpoints import latest_checkpoint, prune_checkpoints
 from pipeline.consumers.drain import Batch, Drainer
 from pipeline.consumers.ledger import Ledger, LedgerLine
 from pipeline.queue.codec import decode_samples, encode_samples
@@ -263,16 +263,3 @@ def broadcast_msgpack(obj: Any, group: Any) -> Any:
         torch.empty(int(size.item()), dtype=torch.uint8)
     dist.broadcast(buf, src=0, group=group)
     return msgpack.unpackb(buf.numpy().tobytes(), raw=False)
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    """The newest complete checkpoint (``.tmp`` folders are unfinished saves and are ignored)."""
-    done = sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
-    return done[-1] if done else None
-
-
-def prune_checkpoints(root: Path, keep: int) -> None:
-    for p in sorted(p for p in root.glob("step-*") if not p.name.endswith(".tmp"))[:-keep]:
-        shutil.rmtree(p, ignore_errors=True)
-    for p in root.glob("step-*.tmp"):
-        shutil.rmtree(p, ignore_errors=True)

@@ -109,6 +109,11 @@ def _addition(rng: random.Random, i: int, digits: int) -> Prompt:
     return Prompt(prompt_id=f"add-{i}", text=f"{a}+{b}=", answer=str(a + b), metadata={"task": "addition"})
 
 
+def _increment(rng: random.Random, i: int, digits: int) -> Prompt:
+    a = rng.randrange(10**digits)
+    return Prompt(prompt_id=f"inc-{i}", text=f"{a}+1=", answer=str(a + 1), metadata={"task": "increment"})
+
+
 def _copy(rng: random.Random, i: int, digits: int) -> Prompt:
     s = "".join(rng.choice("abcdefghij") for _ in range(digits + 2))
     return Prompt(prompt_id=f"copy-{i}", text=f"copy {s}:", answer=s, metadata={"task": "copy"})
@@ -121,6 +126,7 @@ def _reverse(rng: random.Random, i: int, digits: int) -> Prompt:
 
 SYNTHETIC_TASKS: dict[str, Callable[[random.Random, int, int], Prompt]] = {
     "addition": _addition,
+    "increment": _increment,
     "copy": _copy,
     "reverse": _reverse,
 }
@@ -145,7 +151,7 @@ class PromptConfig(BaseModel):
     path: Path | None = None
     """File to read (jsonl, parquet)."""
     task: str = "addition"
-    """Synthetic task: addition, copy or reverse."""
+    """Synthetic task: addition, increment, copy or reverse."""
     size: int = Field(1024, ge=1)
     """Number of synthetic prompts."""
     digits: int = Field(2, ge=1, le=9)
