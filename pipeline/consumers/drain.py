@@ -81,6 +81,10 @@ class Drainer:
                      len(done), len(self._backlog))
         return Recovery(already_committed=len(done), to_redo=len(self._backlog))
 
+    def ack(self, entry_ids: list[str]) -> None:
+        """Acknowledge entries whose effect a commit now holds."""
+        self.queue.ack(self.group, entry_ids)
+
     def next_batch(self, batch_groups: int, step: int, version: Callable[[], int],
                    should_stop: Callable[[], bool] = lambda: False) -> Batch:
         """Read until ``batch_groups`` trainable groups are collected (or ``should_stop``)."""

@@ -13,7 +13,7 @@ import torch
 from pipeline.config import SluiceConfig
 from pipeline.consumers.drain import Drainer
 from pipeline.consumers.ledger import Ledger
-from pipeline.consumers.trainer import Trainer, TrainerSettings
+from pipeline.consumers.trainer import RedisClock, Trainer, TrainerSettings
 from pipeline.sync.base import WeightUpdateEngine
 
 
@@ -51,15 +51,15 @@ def run_trainer(run_dir: Path, cfg: SluiceConfig, model_dir: Path,
     model_cfg, model, optimizer, step = build_rank(cfg, model_dir)
     rank = dist.get_rank()
     loop = asyncio.new_event_loop()
-    queue = drainer = ledger = pusher = None
+    source = clock = ledger = pusher = None
     if rank == 0:
         from pipeline.queue.rundir import open_run
 
         handle = open_run(run_dir=run_dir, redis_url=cfg.queue.redis_url, capacity=cfg.queue.capacity)
-        queue = handle.queue
         ledger = Ledger(run_dir / "ledger")
-        drainer = Drainer(queue, ledger, cfg.staleness, consumer="trainer-0", block_ms=cfg.trainer.drain_block_ms,
-                          claim_idle_ms=cfg.queue.claim_idle_ms)
+        source = Drainer(handle.queue, ledger, cfg.staleness, consumer="trainer-0",
+                         block_ms=cfg.trainer.drain_block_ms, claim_idle_ms=cfg.queue.claim_idle_ms)
+        clock = RedisClock(handle.queue)
         if engines:
             pusher = loop.run_until_complete(_connect_pusher(cfg, engines))
 
@@ -72,7 +72,7 @@ def run_trainer(run_dir: Path, cfg: SluiceConfig, model_dir: Path,
                                checkpoint_every=cfg.trainer.checkpoint_every,
                                keep_checkpoints=cfg.trainer.keep_checkpoints, run_dir=run_dir)
     trainer = Trainer(settings, model=model, optimizer=optimizer, step_fn=step, export_weights=export,
-                      queue=queue, drainer=drainer, ledger=ledger, pusher=pusher, loop=loop,
+                      source=source, clock=clock, ledger=ledger, pusher=pusher, loop=loop,
                       dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size())
     try:
         trainer.train()

@@ -17,6 +17,7 @@ import json
 import logging
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.consumers.checkpoints import latest_checkpoint, prune_checkpoints
-from pipeline.consumers.drain import Batch, Drainer
+from pipeline.consumers.drain import Batch
 from pipeline.consumers.ledger import Ledger, LedgerLine
 from pipeline.queue.codec import decode_samples, encode_samples
 from pipeline.queue.redis_streams import SampleQueue
@@ -39,6 +40,64 @@ class StepFn(Protocol):
     """One optimizer step on this rank's share of prompt groups; returns metrics."""
 
     def step(self, groups: list[list[Sample]]) -> dict[str, float]: ...
+
+    def state_dict(self) -> dict[str, int]: ...
+
+    def load_state_dict(self, state: dict[str, int]) -> None: ...
+
+
+class BatchSource(Protocol):
+    """Where a trainer's prompt groups come from: the live queue (``Drainer``) or a recording (``ReplaySource``)."""
+
+    def recover(self) -> Any: ...
+
+    def next_batch(self, batch_groups: int, step: int, version: Callable[[], int],
+                   should_stop: Callable[[], bool] = ...) -> Batch: ...
+
+    def ack(self, entry_ids: list[str]) -> None: ...
+
+
+class VersionClock(Protocol):
+    """The policy version: Redis's counter in a live run, a local one in replay."""
+
+    def get(self) -> int: ...
+
+    def advance(self) -> int: ...
+
+    def event(self, kind: str, **fields: str | float) -> None: ...
+
+
+class RedisClock:
+    """The run's ``policy_version`` in Redis (INCR only, so it never goes back) and its events stream."""
+
+    def __init__(self, queue: SampleQueue) -> None:
+        self.queue = queue
+
+    def get(self) -> int:
+        return self.queue.policy_version()
+
+    def advance(self) -> int:
+        return int(self.queue.redis.incr(self.queue.keys.policy_version))
+
+    def event(self, kind: str, **fields: str | float) -> None:
+        self.queue.log_event(kind, **fields)
+
+
+class LocalClock:
+    """A version counter of this process alone (offline replay), starting where the recording starts."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.version = start
+
+    def get(self) -> int:
+        return self.version
+
+    def advance(self) -> int:
+        self.version += 1
+        return self.version
+
+    def event(self, kind: str, **fields: str | float) -> None:
+        log.info("%s %s", kind, fields)
 
 
 @dataclass(frozen=True)
@@ -63,8 +122,8 @@ class Trainer:
         optimizer: torch.optim.Optimizer,
         step_fn: StepFn,
         export_weights: Any,
-        queue: SampleQueue | None,
-        drainer: Drainer | None,
+        source: BatchSource | None,
+        clock: VersionClock | None,
         ledger: Ledger | None,
         pusher: Any | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
@@ -74,7 +133,8 @@ class Trainer:
         self.s = settings
         self.model, self.optimizer, self.step_fn = model, optimizer, step_fn
         self.export_weights = export_weights
-        self.queue, self.drainer, self.ledger, self.pusher = queue, drainer, ledger, pusher
+        # Rank 0 alone holds the source, clock and ledger; the other ranks get what they need from it.
+        self.source, self.clock, self.ledger, self.pusher = source, clock, ledger, pusher
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.ckpt_root = settings.run_dir / "checkpoints"
@@ -117,14 +177,15 @@ class Trainer:
 
             meta = load_checkpoint(latest, self.model, self.optimizer)
             self.step = int(meta["step"])
+            if "train_step" in meta:
+                self.step_fn.load_state_dict(meta["train_step"])
         if self.rank == 0:
-            assert self.ledger is not None and self.drainer is not None and self.queue is not None
+            assert self.ledger is not None and self.source is not None and self.clock is not None
             self.ledger.load(self.step if latest is not None else -1)
-            recovery = self.drainer.recover()
-            self.version = self.queue.policy_version()
+            recovery = self.source.recover()
+            self.version = self.clock.get()
             needs_resync = latest is not None or self.version > 0
-            self.queue.log_event("resume", step=self.step, version=self.version,
-                                 already_committed=recovery.already_committed, redo=recovery.to_redo)
+            self.clock.event("resume", step=self.step, version=self.version, recovered=str(recovery))
         else:
             needs_resync = False
         needs_resync = bool(self._share({"resync": needs_resync})["resync"])
@@ -136,11 +197,10 @@ class Trainer:
         """Rank 0 reads a batch; every rank gets its data-parallel share. None means stop."""
         batch: Batch | None = None
         if self.rank == 0:
-            assert self.drainer is not None and self.queue is not None
-            queue = self.queue
-            batch = self.drainer.next_batch(self.s.batch_groups, self.step, queue.policy_version,
-                                            should_stop=lambda: self._stop)
-            if self._stop and len(batch.groups) < self.s.batch_groups:
+            assert self.source is not None and self.clock is not None
+            batch = self.source.next_batch(self.s.batch_groups, self.step, self.clock.get,
+                                           should_stop=lambda: self._stop)
+            if len(batch.groups) < max(self.dp_size, 1) or (self._stop and len(batch.groups) < self.s.batch_groups):
                 # A partial batch is not trained; its entries stay pending and are redone after a restart.
                 batch = None
         self._rank0_batch = batch
@@ -165,15 +225,14 @@ class Trainer:
         weights = list(self.export_weights())  # collective: every rank iterates; only rank 0 receives tensors
         if self.rank != 0:
             return
-        assert self.queue is not None
-        next_version = self.version + 1
+        assert self.clock is not None
         if self.pusher is not None:
-            self._loop.run_until_complete(self.pusher.push(weights, next_version))
-        # Only after every engine confirmed: INCR, never SET, so the counter can never go back.
-        self.version = int(self.queue.redis.incr(self.queue.keys.policy_version))
-        self.queue.log_event("weight_push", version=self.version, step=self.step,
-                             seconds=round(time.perf_counter() - start, 4), engines=0 if self.pusher is None
-                             else len(getattr(self.pusher, "engines", [])))
+            self._loop.run_until_complete(self.pusher.push(weights, self.version + 1))
+        # Only after every engine confirmed the new weights does the version advance.
+        self.version = self.clock.advance()
+        self.clock.event("weight_push", version=self.version, step=self.step,
+                         seconds=round(time.perf_counter() - start, 4),
+                         engines=0 if self.pusher is None else len(self.pusher.engines))
 
     def record(self, batch: Batch, metrics: dict[str, float]) -> None:
         if self.rank != 0:
@@ -209,14 +268,15 @@ class Trainer:
         if self.rank == 0:
             assert self.ledger is not None
             self.ledger.write_segment(self.step)
+        state = self.step_fn.state_dict()
         seconds = save_checkpoint(directory, self.model, self.optimizer,
-                                  meta={"step": self.step, "policy_version": self.version})
+                                  meta={"step": self.step, "policy_version": self.version, "train_step": state})
         if self.rank == 0:
-            assert self.ledger is not None and self.queue is not None
+            assert self.ledger is not None and self.source is not None and self.clock is not None
             self.ledger.mark_committed(self.step)
-            self.queue.ack("trainer", self._uncommitted)
-            self.queue.log_event("checkpoint", step=self.step, version=self.version, acked=len(self._uncommitted),
-                                 seconds=round(seconds, 3))
+            self.source.ack(self._uncommitted)
+            self.clock.event("checkpoint", step=self.step, version=self.version, acked=len(self._uncommitted),
+                             seconds=round(seconds, 3))
             self._uncommitted = []
             prune_checkpoints(self.ckpt_root, self.s.keep_checkpoints)
 
