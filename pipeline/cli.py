@@ -166,6 +166,25 @@ def cmd_run(args: argparse.Namespace) -> int:
     return run(cfg)
 
 
+def cmd_replay(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    cfg = _load(args)
+    from pipeline.consumers.replay import parse_range
+    from pipeline.consumers.train_main import run_replay
+    from pipeline.launch import model_folder
+
+    id_range = parse_range(args.range)
+    model_dir = model_folder(cfg)
+    if not (model_dir / "config.json").exists():
+        print(f"sluice: error: no model at {model_dir}; set model.path to the run's starting model "
+              "(e.g. --set model.path=RUN_DIR/model)", file=sys.stderr)
+        return 2
+    model_out = run_replay(cfg, model_dir, Path(args.source), id_range, Path(cfg.run.run_dir))
+    print(json.dumps({"model": str(model_out), "metrics": str(Path(cfg.run.run_dir) / "metrics" / "trainer.jsonl")}))
+    return 0
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
@@ -224,6 +243,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="trainer steps (overrides trainer.steps)")
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("replay", help="train on stored rollouts (an archive or a run's stream), no generation")
+    p.add_argument("recipe", help="a recipe TOML: model, staleness, trainer and loss settings")
+    p.add_argument("--from", dest="source", required=True, metavar="ARCHIVE|RUN_DIR",
+                   help="a Parquet archive folder, or a run folder whose stream to read")
+    p.add_argument("--range", help="stream ids A:B (inclusive; either side may be empty)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a recipe field (repeatable)")
+    p.add_argument("--run-dir", help="output folder for checkpoints, ledger and metrics (overrides run.run_dir)")
+    p.add_argument("--steps", type=int, help="most trainer steps (overrides trainer.steps)")
+    p.set_defaults(func=cmd_replay)
 
     p = sub.add_parser("eval", help="attach an evaluator consumer to a live or finished run")
     _add_run_args(p)

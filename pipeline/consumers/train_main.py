@@ -14,6 +14,7 @@ from pipeline.config import SluiceConfig
 from pipeline.consumers.drain import Drainer
 from pipeline.consumers.ledger import Ledger
 from pipeline.consumers.trainer import RedisClock, Trainer, TrainerSettings
+from pipeline.errors import ConfigError
 from pipeline.sync.base import WeightUpdateEngine
 
 
@@ -90,3 +91,59 @@ async def _connect_pusher(cfg: SluiceConfig, engines: Sequence[WeightUpdateEngin
         engines, master_address="127.0.0.1", master_port=port, backend=backend, timeout_s=cfg.sync.timeout_s,
         bucket_bytes=cfg.sync.bucket_mb * 2**20 if cfg.sync.bucket_mb else None,
     )
+
+
+def run_replay(cfg: SluiceConfig, model_dir: Path, source: Path, id_range: tuple[str | None, str | None] | None,
+               out_dir: Path) -> Path:
+    """Train on a recording (archive or run stream) into ``out_dir``; returns the trained model's HF folder."""
+    from megatron.core import parallel_state as ps
+
+    from pipeline.consumers.checkpoints import latest_checkpoint
+    from pipeline.consumers.megatron.checkpoint import read_checkpoint_meta
+    from pipeline.consumers.megatron.model import shutdown_parallel
+    from pipeline.consumers.replay import ReplaySource, first_version, open_records
+    from pipeline.consumers.trainer import LocalClock
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model_cfg, model, optimizer, step = build_rank(cfg, model_dir)
+    ledger = Ledger(out_dir / "ledger")
+    latest = latest_checkpoint(out_dir / "checkpoints")
+    start = int(read_checkpoint_meta(latest)["policy_version"]) if latest else first_version(source, id_range)
+    settings = TrainerSettings(steps=cfg.trainer.steps, batch_groups=cfg.trainer.batch_groups,
+                               checkpoint_every=cfg.trainer.checkpoint_every,
+                               keep_checkpoints=cfg.trainer.keep_checkpoints, run_dir=out_dir)
+    clock = LocalClock(start)
+    trainer = Trainer(settings, model=model, optimizer=optimizer, step_fn=step, export_weights=lambda: iter(()),
+                      source=ReplaySource(open_records(source, id_range), cfg.staleness, ledger, clock),
+                      clock=clock, ledger=ledger,
+                      dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size())
+    try:
+        trainer.train()
+        if trainer.step == 0:
+            raise ConfigError(f"replay of {source} trained nothing: no group passed the staleness policy")
+        export_hf_model(model, model_cfg, model_dir, out_dir / "model")
+    finally:
+        trainer.close()
+        shutdown_parallel()
+    return out_dir / "model"
+
+
+def export_hf_model(model: Any, model_cfg: Any, like: Path, out: Path) -> None:
+    """Write the trained weights as an HF folder (the config and tokenizer of ``like``), servable by an engine."""
+    import shutil
+
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from pipeline.consumers.megatron.convert import megatron_to_hf_state_dict
+
+    state = megatron_to_hf_state_dict(model, model_cfg)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    for f in like.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+            shutil.copy2(f, out / f.name)
+    tmp = out / "model.safetensors.tmp"
+    save_file({k: v.detach().contiguous() for k, v in state.items()}, str(tmp))
+    tmp.replace(out / "model.safetensors")

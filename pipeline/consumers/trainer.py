@@ -96,6 +96,10 @@ class LocalClock:
         self.version += 1
         return self.version
 
+    def observe(self, version: int) -> None:
+        """Catch up with a version seen in the data."""
+        self.version = max(self.version, version)
+
     def event(self, kind: str, **fields: str | float) -> None:
         log.info("%s %s", kind, fields)
 
