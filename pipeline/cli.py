@@ -211,15 +211,6 @@ def cmd_model_init_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from pipeline.demo import run_demo
-
-    run_demo(Path(args.run_dir), groups=args.groups)
-    return 0
-
-
 def _add_dataclass_args(p: argparse.ArgumentParser, module: str, name: str) -> None:
     """One --flag per field of a (light) parameter dataclass, so defaults live in one place."""
     import dataclasses
@@ -227,8 +218,22 @@ def _add_dataclass_args(p: argparse.ArgumentParser, module: str, name: str) -> N
 
     cls = getattr(importlib.import_module(module), name)
     for f in dataclasses.fields(cls):
-        p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=type(f.default), default=f.default,
-                       help=f"(default {f.default})")
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(f.default, bool):
+            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default)
+        else:
+            p.add_argument(flag, dest=f.name, type=type(f.default), default=f.default, help=f"(default {f.default})")
+
+
+def cmd_bench_rollout(args: argparse.Namespace) -> int:
+    from dataclasses import fields
+
+    from pipeline.benchmarks.rollout import RolloutBenchParams, run_rollout_bench
+
+    params = RolloutBenchParams(**{f.name: getattr(args, f.name) for f in fields(RolloutBenchParams)})
+    res = run_rollout_bench(params)
+    _print(args, res, lambda r: print(json.dumps(r, indent=1, default=str)))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -277,11 +282,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="HF config override (repeatable)")
     p.set_defaults(func=cmd_model_init_tiny)
 
-    p = sub.add_parser("demo", help="the queue end to end on this machine (producer, staleness, archive)")
-    p.add_argument("--run-dir", default="runs/demo")
-    p.add_argument("--groups", type=int, default=64)
-    p.set_defaults(func=cmd_demo)
-
     queue = sub.add_parser("queue", help="look into a run's queue").add_subparsers(dest="queue_cmd", required=True)
     p = queue.add_parser("stats", help="length, groups with pending and lag, dead letters, policy version")
     _add_run_args(p)
@@ -307,6 +307,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     _add_dataclass_args(p, "pipeline.benchmarks.queue", "QueueBenchParams")
     p.set_defaults(func=cmd_bench_queue)
+    p = bsub.add_parser("rollout", help="cost of routing capture and encoding as a fraction of rollout time")
+    p.add_argument("--json", action="store_true")
+    _add_dataclass_args(p, "pipeline.benchmarks.rollout", "RolloutBenchParams")
+    p.set_defaults(func=cmd_bench_rollout)
     return parser
 
 

@@ -27,6 +27,7 @@ from pipeline.errors import EngineError, SluiceError
 from pipeline.queue.archive import Archiver
 from pipeline.queue.redis_server import free_port
 from pipeline.queue.rundir import RunHandle, open_run
+from pipeline.report import format_curve, learning_curve
 
 log = logging.getLogger(__name__)
 
@@ -198,10 +199,20 @@ def run(cfg: SluiceConfig) -> int:
             archiver_thread.start()
         trainers = {f"trainer-{r}" for r in range(cfg.trainer.world_size)}
         finished: set[str] = set()
+        last_trim = last_report = time.monotonic()
         while not trainers <= finished:
             finished.update(sup.poll())
             _restart_trainer_group_if_needed(sup, trainers)
+            now = time.monotonic()
+            if now - last_trim > 10:
+                handle.queue.trim()  # drops only what every group has acked
+                last_trim = now
+            if now - last_report > 30:
+                _progress(run_dir)
+                last_report = now
             time.sleep(0.5)
+        print(format_curve(learning_curve(run_dir / "metrics" / "trainer.jsonl")))
+        print(f"run folder: {run_dir}  (sluice queue audit --run-dir {run_dir})")
         return 0
     finally:
         stop.set()
@@ -209,6 +220,16 @@ def run(cfg: SluiceConfig) -> int:
         if archiver_thread is not None:
             archiver_thread.join(timeout=60)
         handle.close(stop_server=True)
+
+
+def _progress(run_dir: Path) -> None:
+    path = run_dir / "metrics" / "trainer.jsonl"
+    if path.exists():
+        lines = path.read_text().splitlines()
+        if lines:
+            d = json.loads(lines[-1])
+            print(f"step {d['step']}: policy version {d['policy_version']}, reward {d['reward_mean']:.3f}, "
+                  f"lag max {d['lag_max']}", flush=True)
 
 
 def _restart_trainer_group_if_needed(sup: Supervisor, trainers: set[str]) -> None:

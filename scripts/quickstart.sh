@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# From a bare machine to a running job: set up, then run the CPU demo into runs/quickstart.
+# From a bare machine to a learning run: set up .venv, then run the CPU recipe (a tiny Qwen3-MoE written locally,
+# the CPU engine, a producer, the Megatron-core trainer with R3, archiver and evaluator) into runs/cpu-moe.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
-sluice demo --run-dir runs/quickstart "$@"
+sluice run recipes/cpu-moe.toml "$@"

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,11 +28,17 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import EngineError
-from pipeline.producers.producer import Producer, ProducerConfig, SamplingConfig, load_tokenize, read_num_experts
+from pipeline.producers.producer import (
+    Producer,
+    ProducerConfig,
+    SamplingConfig,
+    load_tokenize,
+    read_num_experts,
+)
 from pipeline.producers.prompts import synthetic
 from pipeline.producers.rewards import exact_match
 from pipeline.producers.sglang_client import NO_RETRY, SGLangClient
-from pipeline.queue.redis_server import EmbeddedRedis
+from pipeline.queue.redis_server import EmbeddedRedis, free_port
 from pipeline.queue.redis_streams import SampleQueue
 
 
@@ -66,17 +71,11 @@ class RolloutBenchParams:
 _ROUTED, _PLAIN, _NO_CAPTURE = "routed", "plain", "no_capture"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 class _Engine:
     """A CPU engine subprocess the benchmark started; stopped by its PID."""
 
     def __init__(self, model_dir: Path, log: Path, capture: bool) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         args = [sys.executable, "-m", "pipeline.producers.cpu_engine", str(model_dir), "--host", "127.0.0.1",

@@ -1,0 +1,42 @@
+"""The CLI surface is deliberate: a new feature adds a recipe field, not a flag. This snapshot fails when a command or
+flag appears or disappears, so that the change is a decision (update the snapshot in the same commit)."""
+
+from __future__ import annotations
+
+import argparse
+
+from pipeline.cli import build_parser
+
+SURFACE = {
+    "bench queue": ([], ["--appendfsync", "--batch-entries", "--group-size", "--json", "--layers", "--num-experts",
+                         "--prompt-tokens", "--response-tokens", "--rounds", "--samples", "--topk"]),
+    "bench rollout": ([], ["--capture-reference", "--concurrency", "--group-size", "--groups", "--json", "--layers",
+                           "--max-new-tokens", "--no-capture-reference", "--num-experts", "--rounds", "--temperature",
+                           "--topk"]),
+    "engine serve": (["model_dir", "engine_args"], []),
+    "eval": ([], ["--group", "--json", "--redis", "--reset", "--run", "--run-dir", "--start", "--until-idle"]),
+    "model init-tiny": ([], ["--arch", "--out", "--seed", "--set"]),
+    "queue audit": ([], ["--json", "--redis", "--run", "--run-dir", "--samples"]),
+    "queue export": ([], ["--json", "--range", "--redis", "--run", "--run-dir", "--to"]),
+    "queue stats": ([], ["--json", "--redis", "--run", "--run-dir"]),
+    "queue tail": ([], ["--count", "--follow", "--json", "--redis", "--run", "--run-dir"]),
+    "replay": (["recipe"], ["--from", "--range", "--run-dir", "--set", "--steps"]),
+    "run": (["recipe"], ["--dry-run", "--run-dir", "--set", "--steps"]),
+}
+
+
+def _leaves(parser: argparse.ArgumentParser, prefix: str = "") -> dict[str, tuple[list[str], list[str]]]:
+    out: dict[str, tuple[list[str], list[str]]] = {}
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for action in subs:
+        for name, child in action.choices.items():
+            out.update(_leaves(child, f"{prefix} {name}".strip()))
+    if not subs and prefix:
+        positional = [a.dest for a in parser._actions if not a.option_strings]
+        flags = sorted(o for a in parser._actions for o in a.option_strings if o.startswith("--") and o != "--help")
+        out[prefix] = (positional, flags)
+    return out
+
+
+def test_cli_surface_matches_the_snapshot() -> None:
+    assert _leaves(build_parser()) == SURFACE

@@ -1,0 +1,89 @@
+"""``sluice run`` end to end on CPU: engine, producer, trainer, archiver and evaluator as real processes; a kill -9 of
+the trainer and of the producer mid-run; the run still finishes with every sample accounted for exactly once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from pipeline.consumers.audit import audit_trainer
+from pipeline.queue.archive import ArchiveReader
+from pipeline.queue.rundir import open_run
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).parent.parent
+STEPS = 12
+
+
+def _child(launcher: psutil.Process, role: str) -> psutil.Process | None:
+    for p in launcher.children(recursive=True):
+        try:
+            cmd = p.cmdline()
+        except psutil.Error:
+            continue
+        if "pipeline.processes" in cmd and role in cmd:
+            return p
+    return None
+
+
+def _steps(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics" / "trainer.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_sluice_run_survives_kill_9_of_trainer_and_producer(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "pipeline.cli", "run", "recipes/cpu-moe.toml", "--run-dir", str(run_dir),
+           "--steps", str(STEPS), "--set", "trainer.checkpoint_every=4", "--set", "producer.concurrency=2",
+           "--set", "queue.claim_idle_ms=1000"]
+    out = open(tmp_path / "launcher.log", "wb")  # noqa: SIM115 - the child keeps it
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    launcher = psutil.Process(proc.pid)
+    try:
+        deadline = time.monotonic() + 300
+        while len(_steps(run_dir)) < 5:
+            assert proc.poll() is None, (tmp_path / "launcher.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "no training progress"
+            time.sleep(0.1)
+        victims = [_child(launcher, "trainer"), _child(launcher, "producer")]
+        assert all(victims)
+        for v in victims:
+            v.send_signal(signal.SIGKILL)  # a crash, not a shutdown; both were started by our launcher
+        assert proc.wait(timeout=600) == 0, (tmp_path / "launcher.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        out.close()
+
+    log = (tmp_path / "launcher.log").read_text()
+    assert "reward (mean over the steps of each row)" in log  # the learning curve is printed at the end
+    handle = open_run(run_dir=run_dir)
+    try:
+        audit = audit_trainer(handle.queue, run_dir)
+        print("audit:", audit)
+        assert audit.committed_step == STEPS and audit.duplicates == 0 and audit.lost == 0
+        assert audit.trained + audit.stale + audit.invalid > 0 and audit.pending == 0
+        kinds = [e["kind"] for e in handle.queue.events()]
+        assert kinds.count("resume") >= 2  # the first start and the restart after the kill
+        assert handle.queue.policy_version() >= STEPS
+        pushes = [e for e in handle.queue.events() if e["kind"] == "weight_push"]
+        assert pushes and all(e["engines"] == "1" for e in pushes)  # every push reached the engine
+        # The archive and the evaluator consumed the same stream beside the trainer.
+        archived = sum(1 for _ in ArchiveReader(run_dir / "archive").samples())
+        assert archived > 0
+        eval_lines = (run_dir / "eval" / "metrics.jsonl").read_text().splitlines()
+        assert eval_lines and "reward" in eval_lines[-1]
+    finally:
+        handle.close(stop_server=True)
+    # Nothing of the run is left behind.
+    assert not [p for p in psutil.process_iter(["cmdline"]) if str(run_dir) in " ".join(p.info["cmdline"] or [])]
