@@ -37,14 +37,20 @@ def producer_main(run_dir: Path, name: str) -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     handle = open_run(run_dir=run_dir, redis_url=cfg.queue.redis_url, capacity=cfg.queue.capacity)
 
+    hf = json.loads((model_dir / "config.json").read_text())
+    num_experts = read_num_experts(model_dir)
+    # SGLang's /model_info does not report the MoE shape that routed_experts must be reshaped to; the model does.
+    moe_layers = hf["num_hidden_layers"] - len(hf.get("mlp_only_layers") or [])
+    shape = (moe_layers, int(hf["num_experts_per_tok"])) if num_experts else None
+
     async def main() -> None:
-        pool = EnginePool([SGLangClient(u, retry=NO_RETRY) for u in urls])
+        pool = EnginePool([SGLangClient(u, retry=NO_RETRY, routed_experts_shape=shape) for u in urls])
         producer = Producer(
             cfg.producer, name=name, queue=handle.queue, engine=pool, prompts=setup_prompts(cfg.prompts),
             tokenize=lambda text: tokenizer.encode(text, add_special_tokens=False),
             reward_fn=resolve_reward(cfg.producer.reward),
             pacing=Pacing(max_lag=cfg.staleness.max_lag, batch_groups=cfg.trainer.batch_groups),
-            num_experts=read_num_experts(model_dir),
+            num_experts=num_experts,
         )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
