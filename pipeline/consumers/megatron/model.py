@@ -22,15 +22,15 @@ def _free_port() -> int:
 
 
 def _init_process_group(device: str) -> None:
-    # torchrun / Ray set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; a bare single process gets a private world.
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        os.environ["RANK"], os.environ["WORLD_SIZE"] = "0", "1"
     backend = "nccl" if device == "cuda" else "gloo"
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend=backend)  # torchrun, Ray or sluice's launcher set the world up
+        return
+    # A bare single process gets a private world of one, without writing RANK/MASTER_PORT into the environment:
+    # child processes would inherit them and try to join (or bind) this world's store.
+    dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
 
 
 def init_parallel(parallel: ParallelConfig, *, seed: int = 1234) -> None:
