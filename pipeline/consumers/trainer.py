@@ -29,6 +29,7 @@ import torch.distributed as dist
 from pipeline.consumers.checkpoints import latest_checkpoint, prune_checkpoints
 from pipeline.consumers.drain import Batch
 from pipeline.consumers.ledger import Ledger, LedgerLine
+from pipeline.consumers.staleness import lag_histogram
 from pipeline.queue.codec import decode_samples, encode_samples
 from pipeline.queue.redis_streams import SampleQueue
 from pipeline.queue.sample import Sample
@@ -253,7 +254,7 @@ class Trainer:
             "step": self.step, "policy_version": self.version, "time": time.time(),
             "reward_mean": sum(rewards) / max(len(rewards), 1), "groups": len(full.groups),
             "samples": len(rewards), "lag_max": max(full.lags, default=0),
-            **full.counts.as_metrics(), **metrics,
+            **full.counts.as_metrics(), **lag_histogram(full.lags, num_buckets=4), **metrics,
         }
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.metrics_path, "a") as f:
