@@ -5,6 +5,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+python -m ruff check pipeline tests
 set +e
 python -m pytest -q "$@"
 rc=$?

@@ -12,7 +12,7 @@ import pytest
 from conftest import make_group
 
 from pipeline.errors import QueueError
-from pipeline.queue.archive import ArchiveReader, Archiver, ArchiveWriter, load_index, parse_id
+from pipeline.queue.archive import Archiver, ArchiveReader, ArchiveWriter, load_index, parse_id
 from pipeline.queue.redis_streams import SampleQueue
 
 

@@ -240,7 +240,6 @@ def test_two_gloo_ranks_match_one_process(tmp_path: Path) -> None:
         # The step moved the weights far beyond the tolerance, so equal weights mean equal gradients.
         initial = load_file(str(_initial(weights, moe)))
         assert max((ref_weights[k] - v).abs().max().item() for k, v in initial.items()) > 100 * TOLERANCE
-    ep2 = load_file(str(out / "ep2-alltoall.rank0.safetensors"))
     _assert_ep2_checkpoint_loads_on_one_rank(out, weights)
 
 

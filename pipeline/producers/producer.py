@@ -333,7 +333,8 @@ def _token_versions(result: GenerateResult) -> np.ndarray:
         return np.array([int(v) for v in result.token_versions()], dtype=np.int32)
     except ValueError:
         raise EngineError(
-            f"engine {result.engine} reports non-integer weight versions {[s.version for s in result.weight_versions]}; "
+            f"engine {result.engine} reports non-integer weight versions "
+            f"{[s.version for s in result.weight_versions]}; "
             "sluice pushes integer versions, so start the engine with an integer --weight-version"
         ) from None
 

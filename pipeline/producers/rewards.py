@@ -15,13 +15,13 @@ import math
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 from pipeline.errors import ConfigError
 from pipeline.producers.prompts import Prompt
 
-RewardValue = Union[float, tuple[float, dict[str, Any]]]
-RewardFn = Callable[[Prompt, str], Union[RewardValue, Awaitable[RewardValue]]]
+RewardValue = float | tuple[float, dict[str, Any]]
+RewardFn = Callable[[Prompt, str], RewardValue | Awaitable[RewardValue]]
 
 
 def _answer_of(prompt: Prompt) -> str:
@@ -116,7 +116,7 @@ async def score(fn: RewardFn, prompt: Prompt, response: str, timeout_s: float) -
             value = await asyncio.wait_for(asyncio.to_thread(fn, prompt, response), timeout_s)
             if inspect.isawaitable(value):
                 value = await asyncio.wait_for(value, timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return RewardOutcome(0.0, {"error": f"reward function timed out after {timeout_s}s"}, failed=True)
     except Exception as e:  # a user's function may raise anything; the producer must go on
         return RewardOutcome(0.0, {"error": f"{type(e).__name__}: {e}"[:500]}, failed=True)

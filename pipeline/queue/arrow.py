@@ -67,7 +67,8 @@ def _list_column(arrays: Sequence[np.ndarray | None], value_type: pa.DataType) -
     parts = [a.reshape(-1).astype(np_type, copy=False) for a in arrays if a is not None]
     values = np.concatenate(parts) if parts else np.zeros(0, dtype=np_type)
     mask = np.array([a is None for a in arrays])
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=value_type), mask=pa.array(mask) if mask.any() else None)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=value_type),
+                                    mask=pa.array(mask) if mask.any() else None)
 
 
 def samples_to_table(samples: Sequence[Sample], stream_ids: Sequence[str | None] | None = None) -> pa.Table:
@@ -151,7 +152,8 @@ def table_to_samples(table: pa.Table) -> Iterator[tuple[str | None, Sample]]:
                 if not layers or not topk or dt not in ("|u1", "<u2"):
                     raise SampleDecodeError(f"routing_layers/topk/dtype invalid: {layers}, {topk}, {dt!r}")
                 if routed.size % (layers * topk):
-                    raise SampleDecodeError(f"routed_experts: {routed.size} ids do not divide into [*, {layers}, {topk}]")
+                    raise SampleDecodeError(
+                        f"routed_experts: {routed.size} ids do not divide into [*, {layers}, {topk}]")
                 routed = routed.reshape(-1, layers, topk).astype(np.dtype(dt))
             sample = Sample(
                 prompt_ids=row_list("prompt_ids", i),

@@ -94,7 +94,8 @@ def _unpack_array(name: str, value: Any) -> np.ndarray:
         raise SampleDecodeError(f"{name}: unknown dtype {dtype_str!r}") from None
     allowed = ARRAY_DTYPES[name]
     if dtype not in allowed:
-        raise SampleDecodeError(f"{name}: dtype {dtype_str!r} is not allowed; expected one of {[d.str for d in allowed]}")
+        raise SampleDecodeError(
+            f"{name}: dtype {dtype_str!r} is not allowed; expected one of {[d.str for d in allowed]}")
     if not (isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape)):
         raise SampleDecodeError(f"{name}: shape must be a list of non-negative ints, got {shape!r}")
     if not isinstance(raw, bytes):

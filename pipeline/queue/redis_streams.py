@@ -332,7 +332,9 @@ class SampleQueue:
         return int(self._trim(keys=[self.keys.samples]))
 
     # -------------------------------------------------------------------------------------------------- browsing
-    def scan(self, start: str = "-", end: str = "+", batch: int = 64) -> Iterator[tuple[str, QueueEntry | SampleDecodeError]]:
+    def scan(
+        self, start: str = "-", end: str = "+", batch: int = 64
+    ) -> Iterator[tuple[str, QueueEntry | SampleDecodeError]]:
         """Every entry in [start, end] in stream order, without touching any group (for tail, export, audit)."""
         lo = start
         while True:

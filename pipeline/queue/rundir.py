@@ -94,7 +94,8 @@ def open_run(
     if redis_url is None:
         server = EmbeddedRedis(folder / "redis", appendfsync=appendfsync)
         if not create and not (folder / "redis").exists():
-            raise ConfigError(f"{folder} has no embedded Redis state (redis/); was the run started with an external URL?")
+            raise ConfigError(
+                f"{folder} has no embedded Redis state (redis/); was the run started with an external URL?")
         server.start()
         redis_url = server.url
     return RunHandle(run, folder, redis_url, SampleQueue(connect(redis_url), run, capacity=capacity), server)
