@@ -192,7 +192,7 @@ def test_groups_attach_at_start_end_or_an_id(queue: SampleQueue) -> None:
         queue.read("nobody", "c")
 
 
-def test_put_is_atomic_and_numbered_across_concurrent_producers(redis_url: str, run_name: str) -> None:
+def test_entries_are_numbered_once_across_concurrent_producers(redis_url: str, run_name: str) -> None:
     def produce(seed: int) -> None:
         q = SampleQueue(connect(redis_url), run_name)
         rng = np.random.default_rng(seed)
@@ -206,7 +206,10 @@ def test_put_is_atomic_and_numbered_across_concurrent_producers(redis_url: str, 
         t.join()
     q = SampleQueue(connect(redis_url), run_name)
     seqs = [int(f[b"seq"]) for _, f in q.redis.xrange(q.keys.samples)]
-    assert seqs == list(range(1, 121))  # stream order and sequence agree, no gaps or repeats
+    assert sorted(seqs) == list(range(1, 121))  # every entry numbered once, no gaps or repeats
+    # Numbers are reserved per batch of 3, so across producers the stream order can differ by at most the batches
+    # in flight (4 producers), which is all the lag arithmetic relies on.
+    assert all(abs(seq - (pos + 1)) < 4 * 3 for pos, seq in enumerate(seqs))
     assert q.stats().produced == 120
     q.redis.delete(*q.redis.scan_iter(match=f"{q.keys.prefix}:*"))
 
