@@ -8,20 +8,16 @@ with an independent HF forward pass of the same model, with its reward function 
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from engines import EngineProcess, free_port, start_engine
 
 from pipeline.producers.base import GenerateResult
 from pipeline.producers.producer import (
@@ -37,68 +33,12 @@ from pipeline.producers.sglang_client import NO_RETRY, EnginePool, ExponentialBa
 from pipeline.queue.redis_streams import SampleQueue
 from pipeline.queue.sample import Sample, SampleStatus
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 # The engine runs fp32 like this reference; a KV-cached batched decode and one full forward differ only by rounding
 # of differently shaped matmuls (~1e-6 on these logprobs). 1e-4 leaves room for other BLAS builds and is still far
 # below what a real bug gives (a wrong temperature, position or token moves logprobs by > 1e-2).
 LOGPROB_ATOL = 1e-4
 # Eight ordinary characters end a response, so that a seeded run has both `stop` and `length` endings.
 STOP_IDS = [10, 15, 20, 25, 30, 35, 40, 45]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@dataclass
-class EngineProcess:
-    """A CPU engine subprocess this module started (and is the only one to stop)."""
-
-    proc: subprocess.Popen[bytes]
-    url: str
-    log: Path
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def start_engine(model_dir: Path, log_dir: Path, port: int | None = None) -> EngineProcess:
-    port = port or _free_port()
-    log = log_dir / f"engine-{port}.log"
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
-    with log.open("ab") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pipeline.producers.cpu_engine", str(model_dir), "--host", "127.0.0.1",
-             "--port", str(port), "--enable-return-routed-experts", "--num-threads", "1", "--log-level", "warning"],
-            stdout=out, stderr=subprocess.STDOUT, env=env,
-        )  # fmt: skip
-    engine = EngineProcess(proc, f"http://127.0.0.1:{port}", log)
-    try:
-        asyncio.run(_wait_healthy(engine))
-    except BaseException:
-        engine.stop()
-        raise
-    return engine
-
-
-async def _wait_healthy(engine: EngineProcess, timeout: float = 120.0) -> None:
-    async with SGLangClient(engine.url, retry=NO_RETRY, health_timeout=2.0) as client:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if engine.proc.poll() is not None:
-                raise RuntimeError(f"engine exited with {engine.proc.returncode}: {engine.log.read_text()[-2000:]}")
-            if await client.health():
-                return
-            await asyncio.sleep(0.1)
-    raise RuntimeError(f"engine at {engine.url} did not become healthy in {timeout}s")
 
 
 @pytest.fixture(scope="module")
@@ -437,7 +377,7 @@ def test_killed_engine_is_skipped_and_its_requests_finish_on_the_other(
 def test_with_every_engine_down_prompts_go_back_and_are_retried(
     model_dir: Path, queue: SampleQueue, tmp_path: Path
 ) -> None:
-    port = _free_port()
+    port = free_port()
     cursor = PromptCursor(queue.redis, queue.run)
 
     async def scenario() -> Producer:
@@ -508,7 +448,7 @@ def test_weight_push_mid_run_gives_samples_straddling_two_versions(
         producer = make_producer(queue, client, model_dir, group_size=2, concurrency=2,
                                  sampling={"max_new_tokens": 800, "ignore_eos": True})
         pusher = await WeightPusher.connect(
-            [admin], master_address="127.0.0.1", master_port=_free_port(), group_name="producer-test", timeout_s=60,
+            [admin], master_address="127.0.0.1", master_port=free_port(), group_name="producer-test", timeout_s=60,
         )  # fmt: skip
         try:
             run = asyncio.ensure_future(producer.run(max_groups=2))

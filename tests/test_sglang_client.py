@@ -11,11 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import importlib.util
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -25,6 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 from aiohttp import web
+from engines import EngineProcess, free_port, start_engine
 
 from pipeline.errors import EngineError
 from pipeline.producers.sglang_client import (
@@ -37,7 +34,6 @@ from pipeline.producers.sglang_client import (
     SGLangClient,
 )
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 HAVE_ENGINE = importlib.util.find_spec("pipeline.producers.cpu_engine") is not None and (
     importlib.util.find_spec("pipeline.models.tiny") is not None
 )
@@ -45,64 +41,6 @@ needs_engine = pytest.mark.skipif(
     not HAVE_ENGINE, reason="pipeline.producers.cpu_engine / pipeline.models.tiny are not in this checkout yet"
 )
 FAST = Retry(backoff=ExponentialBackoff(base=0.0, cap=0.0, jitter=False), retries=3)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Real CPU engines
-# --------------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class EngineProcess:
-    """A CPU engine subprocess this test module started (and is the only one to stop)."""
-
-    proc: subprocess.Popen[bytes]
-    url: str
-    port: int
-    log: Path
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def _start_engine(model_dir: Path, log_dir: Path, port: int | None = None) -> EngineProcess:
-    port = port or _free_port()
-    log = log_dir / f"engine-{port}.log"
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
-    with log.open("ab") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pipeline.producers.cpu_engine", str(model_dir), "--host", "127.0.0.1",
-             "--port", str(port), "--enable-return-routed-experts", "--num-threads", "1", "--log-level", "warning"],
-            stdout=out, stderr=subprocess.STDOUT, env=env,
-        )  # fmt: skip
-    engine = EngineProcess(proc, f"http://127.0.0.1:{port}", port, log)
-    asyncio.run(_wait_healthy(engine))
-    return engine
-
-
-async def _wait_healthy(engine: EngineProcess, timeout: float = 120.0) -> None:
-    async with SGLangClient(engine.url, retry=NO_RETRY, health_timeout=2.0) as client:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if engine.proc.poll() is not None:
-                raise RuntimeError(f"engine exited with {engine.proc.returncode}: {engine.log.read_text()[-2000:]}")
-            if await client.health():
-                return
-            await asyncio.sleep(0.2)
-    engine.stop()
-    raise RuntimeError(f"engine at {engine.url} did not become healthy in {timeout}s")
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +52,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
-    started = _start_engine(model_dir, tmp_path_factory.mktemp("engine-logs"))
+    started = start_engine(model_dir, tmp_path_factory.mktemp("engine-logs"))
     yield started
     started.stop()
 
@@ -195,7 +133,7 @@ def test_generate_many_is_prompt_major_and_seeded(engine: EngineProcess, model_d
 def test_pool_skips_killed_engine_and_retries_on_the_other(
     engine: EngineProcess, model_dir: Path, tmp_path: Path
 ) -> None:
-    doomed = _start_engine(model_dir, tmp_path)
+    doomed = start_engine(model_dir, tmp_path)
     long_params = {"max_new_tokens": 300, "temperature": 0.0, "ignore_eos": True}
 
     async def scenario() -> None:
@@ -231,7 +169,7 @@ def test_pool_skips_killed_engine_and_retries_on_the_other(
 
 @needs_engine
 def test_pool_takes_a_restarted_engine_back(engine: EngineProcess, model_dir: Path, tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
 
     async def scenario() -> None:
         live = SGLangClient(engine.url, retry=NO_RETRY)
@@ -242,7 +180,7 @@ def test_pool_takes_a_restarted_engine_back(engine: EngineProcess, model_dir: Pa
             results = await asyncio.gather(*(pool.generate([5, 6], GREEDY) for _ in range(3)))
             assert {res.engine for res in results} == {engine.url}
             assert not pool.is_healthy(later)
-            restarted = await asyncio.to_thread(_start_engine, model_dir, tmp_path, port)
+            restarted = await asyncio.to_thread(start_engine, model_dir, tmp_path, port)
             try:
                 # Background /health probes (scheduled as requests come in) put it back in rotation.
                 deadline = time.monotonic() + 30
@@ -279,7 +217,7 @@ def test_weight_push_changes_version_and_greedy_output(engine: EngineProcess, mo
         async with SGLangClient(engine.url, retry=FAST) as client:
             before = await client.generate(prompt, GREEDY)
             pusher = await WeightPusher.connect(
-                [client], master_address="127.0.0.1", master_port=_free_port(), group_name="client-test",
+                [client], master_address="127.0.0.1", master_port=free_port(), group_name="client-test",
                 timeout_s=60, bucket_bytes=64 * 1024,
             )  # fmt: skip
             try:
@@ -306,7 +244,7 @@ def test_weight_push_changes_version_and_greedy_output(engine: EngineProcess, mo
                 await pusher.close()
             # The engine left the group, so the same group name can be set up again and used.
             pusher = await WeightPusher.connect(
-                [client], master_address="127.0.0.1", master_port=_free_port(), group_name="client-test", timeout_s=60
+                [client], master_address="127.0.0.1", master_port=free_port(), group_name="client-test", timeout_s=60
             )
             try:
                 await pusher.push(original.items(), weight_version=104)
@@ -415,7 +353,7 @@ class FlakyServer:
         app.router.add_post("/flush_cache", self._text)
         self._runner = web.AppRunner(app)
         await self._runner.setup()
-        port = _free_port()
+        port = free_port()
         await web.TCPSite(self._runner, "127.0.0.1", port).start()
         self.url = f"http://127.0.0.1:{port}"
         return self
@@ -579,7 +517,7 @@ def test_pool_marks_failing_engine_unhealthy_and_probes_it_back() -> None:
 
 def test_pool_with_no_healthy_engine_raises_after_retries() -> None:
     async def scenario() -> None:
-        dead = SGLangClient(f"http://127.0.0.1:{_free_port()}", retry=NO_RETRY, connect_timeout=0.5)
+        dead = SGLangClient(f"http://127.0.0.1:{free_port()}", retry=NO_RETRY, connect_timeout=0.5)
         pool = EnginePool([dead], retry=Retry(ExponentialBackoff(0.01, 0.01, False), retries=2))
         with pytest.raises(EngineUnavailableError):
             await pool.generate([1], GREEDY)
