@@ -19,7 +19,11 @@ from pipeline.sync.base import WeightUpdateEngine
 
 
 def build_rank(cfg: SluiceConfig, model_dir: Path) -> tuple[Any, Any, Any, Any]:
-    """(model config, megatron model, optimizer, train step) for this rank; initialises torch.distributed."""
+    """(model config, megatron model, optimizer, train step) for this rank; initialises torch.distributed.
+
+    With ``trainer.loss.kl_coef > 0`` a second, frozen model with the same layout holds the starting weights as the
+    KL reference; it lives inside the train step only.
+    """
     from pipeline.consumers.megatron.config import (
         ModelConfig,
         ParallelConfig,
@@ -36,8 +40,13 @@ def build_rank(cfg: SluiceConfig, model_dir: Path) -> tuple[Any, Any, Any, Any]:
     init_parallel(parallel, seed=cfg.run.seed)
     model = build_gpt_model(model_cfg, parallel, r3=cfg.trainer.r3)
     load_hf_into_megatron(model, model_dir, model_cfg)
+    reference = None
+    if cfg.trainer.loss.kl_coef > 0:
+        # The KL anchor is the starting weights, so it is never checkpointed: a resume rebuilds it from model_dir.
+        reference = build_gpt_model(model_cfg, parallel, r3=cfg.trainer.r3)
+        load_hf_into_megatron(reference, model_dir, model_cfg)
     step_cfg = cfg.trainer.model_copy(update={"pad_token_id": int(hf_config.get("pad_token_id") or 0)})
-    step = TrainStep(model, model_cfg, step_cfg)
+    step = TrainStep(model, model_cfg, step_cfg, reference=reference)
     return model_cfg, model, step.optimizer, step
 
 

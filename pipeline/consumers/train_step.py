@@ -6,7 +6,9 @@
    samples' routing when R3 is on). Its log-probs are the decoupled objective's proximal policy (``loss.py``).
    With ``measure_r3`` one more no-grad forward per micro-batch runs the other way (without replay when R3 is on,
    with it when off), so the train/rollout mismatch is known both with and without replay, and the router's own
-   top-k choice (without replay) is compared with the samples' routing.
+   top-k choice (without replay) is compared with the samples' routing. With a KL penalty (``loss.kl_coef > 0``)
+   the frozen reference model (the starting weights) runs one more no-grad forward per micro-batch, replayed exactly
+   when the proximal forward is, so both score under the same routing.
 2. **training pass**: forward (replay again when on), ``policy_loss`` at the sampling temperature, backward; the
    replay indices are cleared after each micro-batch, as megatron requires. Then the gradient all-reduce
    (``allreduce_gradients``), global grad-norm clipping and the optimizer step.
@@ -31,7 +33,13 @@ Routing agreement is measured with forward hooks on the routers, which see the r
 dispatched with, in every mode (free, replayed), instead of megatron's RECORD action, which does not record while
 replaying.
 
-Metrics (all reduced over the data-parallel ranks): ``loss``, ``pg_loss``, ``entropy`` (aggregated as the loss);
+Reference model: the caller builds it like the policy (``build_gpt_model`` with the same layout and ``r3``) and
+loads the starting weights into it; the step freezes it and never checkpoints it (a resume rebuilds it from the model
+folder). megatron keeps one process-wide list of router-replay hooks, which building a model resets, so the step
+pins that list to the policy's hooks and swaps in the reference's only around the reference's forward.
+
+Metrics (all reduced over the data-parallel ranks): ``loss``, ``pg_loss``, ``entropy`` (aggregated as the loss;
+``kl_ref`` too, only when a reference is kept);
 the token means of ``policy_loss`` (``mismatch_k3`` against the proximal pass, ``policy_kl_k3``, ``clip_fraction``
 and its parts, ``is_weight_*``, ``masked_fraction``); ``r3/agreement_no_replay`` (the router's own top-k vs the
 samples'), ``r3/agreement_train`` (the routing the training forward used vs the samples': 1.0 under R3),
@@ -48,7 +56,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -111,7 +120,7 @@ _TOKEN_MEANS = (
     "masked_fraction",
 )
 # Loss terms already divided by the global count: they add up over micro-batches and ranks.
-_ADDITIVE = ("loss", "pg_loss", "entropy")
+_ADDITIVE = ("loss", "pg_loss", "entropy", "kl_ref")
 _COUNTS = (
     "num_tokens",
     "num_samples",
@@ -172,9 +181,9 @@ def _ratio(num: float, den: float) -> float | None:
     return num / den if den > 0 else None
 
 
-def _final_metrics(sums: dict[str, float], maxes: dict[str, float]) -> dict[str, float]:
+def _final_metrics(sums: dict[str, float], maxes: dict[str, float], *, kl_ref: bool) -> dict[str, float]:
     tokens = sums["num_tokens"]
-    out: dict[str, float] = {k: sums[k] for k in _ADDITIVE}
+    out: dict[str, float] = {k: sums[k] for k in _ADDITIVE if kl_ref or k != "kl_ref"}
     if tokens > 0:
         out.update({k: sums[f"w.{k}"] / tokens for k in _TOKEN_MEANS})
         out["is_weight_max"] = maxes["is_weight_max"]
@@ -275,6 +284,52 @@ class _RouterProbe:
         self._handles = []
 
 
+def _replay_hooks(model: Any) -> list[Any]:
+    """megatron's per-layer ``RouterReplay`` objects of ``model``, in layer order (empty without replay)."""
+    routers = [layer.mlp.router for layer in model.decoder.layers if hasattr(layer.mlp, "router")]
+    return [r.router_replay for r in routers if getattr(r, "router_replay", None) is not None]
+
+
+def _install_replay_hooks(hooks: list[Any]) -> list[Any]:
+    """Make ``hooks`` megatron's process-wide replay list; returns the list it held before."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay as MegatronReplay
+
+    registry = MegatronReplay.global_router_replay_instances
+    saved = list(registry)
+    registry[:] = hooks
+    return saved
+
+
+@contextmanager
+def _replay_registry(hooks: list[Any]) -> Iterator[None]:
+    """Point megatron's process-wide replay list at ``hooks`` for the duration, then restore it.
+
+    megatron's static ``set_replay_data``/``set_global_router_replay_action`` act on that one list, so with two
+    models in the process the list decides which model a replay reaches.
+    """
+    saved = _install_replay_hooks(hooks)
+    try:
+        yield
+    finally:
+        _install_replay_hooks(saved)
+
+
+def _check_reference(model: torch.nn.Module, reference: torch.nn.Module) -> None:
+    if reference is model:
+        raise ConfigError(
+            "the reference model is the policy model itself; build a second model (build_gpt_model with the same "
+            "layout) and load the starting weights into it"
+        )
+    policy = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    ref = {name: tuple(p.shape) for name, p in reference.named_parameters()}
+    if policy != ref:
+        diff = sorted(set(policy.items()) ^ set(ref.items()))[:4]
+        raise ConfigError(
+            f"the reference model's parameters differ from the policy's (first differences: {diff}); build it with "
+            "the same ModelConfig and ParallelConfig as the policy"
+        )
+
+
 @dataclass(frozen=True)
 class _Norms:
     """Global-batch counts that make micro-batch and per-rank losses add up to the global-batch loss."""
@@ -292,7 +347,9 @@ class TrainStep:
 
     ``model`` must be built with ``build_gpt_model(..., r3=True)`` for R3 on a MoE model (megatron only creates its
     replay hooks then); ``optimizer`` defaults to AdamW over the model's parameters (megatron's distributed
-    optimizer is wrong on CPU, and the gradient all-reduce here replaces its DDP wrapper).
+    optimizer is wrong on CPU, and the gradient all-reduce here replaces its DDP wrapper). ``reference`` is the
+    frozen KL anchor that ``loss.kl_coef > 0`` needs: a second model built like ``model`` (same layout, same ``r3``)
+    holding the starting weights; the step turns off its gradients and never saves it.
     """
 
     def __init__(
@@ -302,12 +359,8 @@ class TrainStep:
         cfg: TrainStepConfig,
         *,
         optimizer: torch.optim.Optimizer | None = None,
+        reference: torch.nn.Module | None = None,
     ) -> None:
-        if cfg.loss.kl_coef > 0:
-            raise ConfigError(
-                f"loss.kl_coef={cfg.loss.kl_coef}: the train step keeps no reference model to take the KL against; "
-                "set loss.kl_coef=0"
-            )
         self.model = model
         self.model_cfg = model_cfg
         self.cfg = cfg
@@ -326,7 +379,11 @@ class TrainStep:
             )
         if cfg.r3 and not model_cfg.is_moe:
             log.warning("r3=True is ignored: the model is dense, there is no routing to replay")
+        if replay_capable:
+            # Building another model (the reference, say) resets megatron's replay list; the policy's hooks go back.
+            _install_replay_hooks(_replay_hooks(model))
         self._replay = RouterReplay.for_model(model_cfg) if replay_capable else None
+        self.reference, self._reference_hooks = self._adopt_reference(reference)
         self._probe = _RouterProbe(model, model_cfg.moe_topk) if model_cfg.is_moe else None
         self._routing_shape = (
             RoutingShape(model_cfg.num_layers, model_cfg.moe_topk, model_cfg.num_experts) if model_cfg.is_moe else None
@@ -335,6 +392,30 @@ class TrainStep:
         self.samples_trained = 0
         self.tokens_trained = 0
         self.unreplayed_samples = 0
+
+    def _adopt_reference(self, reference: torch.nn.Module | None) -> tuple[torch.nn.Module | None, list[Any]]:
+        """(the frozen reference or None, its replay hooks): checks it fits the config and the policy."""
+        kl_coef = self.cfg.loss.kl_coef
+        if reference is None:
+            if kl_coef > 0:
+                raise ConfigError(
+                    f"loss.kl_coef={kl_coef} needs a reference model to take the KL against: pass reference= (a "
+                    "second build_gpt_model like the policy, loaded with the starting weights), or set loss.kl_coef=0"
+                )
+            return None, []
+        if kl_coef == 0:
+            # Keeping it would cost a forward per micro-batch for a term that is multiplied by 0.
+            log.warning("a reference model was passed but loss.kl_coef=0: it is ignored and not run")
+            return None, []
+        _check_reference(self.model, reference)
+        hooks = _replay_hooks(reference)
+        if self._replay is not None and self.cfg.r3 and len(hooks) != self.model_cfg.num_layers:
+            raise ConfigError(
+                "r3=True with a KL penalty needs the reference built with build_gpt_model(..., r3=True) too, so it "
+                "scores under the same replayed routing as the policy; rebuild the reference or set r3=false"
+            )
+        reference.requires_grad_(False)
+        return reference, hooks
 
     # ------------------------------------------------------------------------------------------------- public surface
 
@@ -348,14 +429,14 @@ class TrainStep:
         proximal = [self._proximal_pass(mb, acc) for mb in micro]
         t_train = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        for mb, prox in zip(micro, proximal, strict=True):
-            self._train_micro_batch(mb, prox, norms, acc)
+        for mb, (prox, ref) in zip(micro, proximal, strict=True):
+            self._train_micro_batch(mb, prox, ref, norms, acc)
         t_opt = time.perf_counter()
         update = self._optimizer_step(skip=norms.tokens == 0)
         end = time.perf_counter()
         acc.maxes["time/step_s"] = end - start
         sums, maxes = acc.reduce(self._dp_group())
-        metrics = _final_metrics(sums, maxes)
+        metrics = _final_metrics(sums, maxes, kl_ref=self.reference is not None)
         metrics.update(update)
         metrics.update(
             {
@@ -523,9 +604,12 @@ class TrainStep:
         grad: bool = False,
         entropy: bool = False,
         probe: bool = False,
+        model: torch.nn.Module | None = None,
     ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """(log-probs [B, T-1], entropy or None, dispatched routing [B, T, layers, topk] or None)."""
-        device = model_device(self.model)
+        """(log-probs [B, T-1], entropy or None, dispatched routing [B, T, layers, topk] or None) of ``model``
+        (default: the policy); the probe watches the policy's routers only."""
+        model = self.model if model is None else model
+        device = model_device(model)
         if self._replay is not None:
             if replay:
                 assert mb.routing is not None  # replay is only requested for all-routed micro-batches
@@ -538,7 +622,7 @@ class TrainStep:
             self._probe.start()  # type: ignore[union-attr]
         try:
             with torch.set_grad_enabled(grad):
-                logits = forward_logits(self.model, mb.input_ids.to(device), mb.attention_mask.to(device))
+                logits = forward_logits(model, mb.input_ids.to(device), mb.attention_mask.to(device))
                 logprobs, ent = score_tokens(
                     logits,
                     mb.targets,
@@ -568,12 +652,14 @@ class TrainStep:
         k3 = kl_penalty(mb.behaviour_logprobs, logprobs.detach().float().cpu(), "k3")
         return float(torch.where(mb.loss_mask, k3, 0.0).sum()), float(mb.loss_mask.sum())
 
-    def _proximal_pass(self, mb: TrainBatch, acc: _Accumulator) -> Tensor:
-        """The proximal log-probs of ``mb`` (replayed when R3 applies), plus the with/without-replay measurements."""
+    def _proximal_pass(self, mb: TrainBatch, acc: _Accumulator) -> tuple[Tensor, Tensor | None]:
+        """(proximal, reference or None) log-probs of ``mb`` (both replayed when R3 applies), plus the
+        with/without-replay measurements."""
         replayed = self._replays(mb)
         with torch.no_grad():
             proximal, _, used = self._forward(mb, replay=replayed, probe=not replayed)
             self._record_pass(mb, proximal, used, replayed=replayed, acc=acc)
+            reference = self._reference_pass(mb, replay=replayed)
             if self.cfg.measure_r3 and self._replay is not None:
                 # Unconditional, so that every EP rank runs the same number of (collective) forwards.
                 other = not replayed and mb.all_routed
@@ -587,7 +673,16 @@ class TrainStep:
                 acc.add(**{key: real})
                 if not replayed:
                     acc.add(r3_unreplayed_micro_batches=1)
-        return proximal.detach()
+        return proximal.detach(), reference
+
+    def _reference_pass(self, mb: TrainBatch, *, replay: bool) -> Tensor | None:
+        """The frozen reference's log-probs of ``mb`` under the same routing as the proximal pass (None without a
+        reference). Every rank runs it for every micro-batch, padding included, as EP's collectives require."""
+        if self.reference is None:
+            return None
+        with _replay_registry(self._reference_hooks), torch.no_grad():
+            logprobs, _, _ = self._forward(mb, replay=replay and bool(self._reference_hooks), model=self.reference)
+        return logprobs.detach()
 
     def _record_pass(
         self, mb: TrainBatch, logprobs: Tensor, used: Tensor | None, *, replayed: bool, acc: _Accumulator
@@ -601,7 +696,9 @@ class TrainStep:
             hits, pairs = self._agreement(used, mb)
             acc.add(agree_free_hits=hits, agree_free_total=pairs)
 
-    def _train_micro_batch(self, mb: TrainBatch, proximal: Tensor, norms: _Norms, acc: _Accumulator) -> None:
+    def _train_micro_batch(
+        self, mb: TrainBatch, proximal: Tensor, reference: Tensor | None, norms: _Norms, acc: _Accumulator
+    ) -> None:
         device = model_device(self.model)
         try:
             logprobs, ent, used = self._forward(
@@ -614,6 +711,7 @@ class TrainStep:
                 mb.loss_mask.to(device),
                 norms.loss_cfg,
                 proximal=proximal.to(device),
+                ref=None if reference is None else reference.to(device),
                 entropy=ent,
                 normalizer=norms.normalizer,
             )
