@@ -6,6 +6,10 @@ into the running batch by left-padding whichever cache is shorter; finished ones
 become padding for every row are trimmed. Padding never reaches a real token: the attention mask hides it, and
 position ids count real tokens only, so a sequence's numbers do not depend on what it is batched with (up to float
 rounding of differently shaped matmuls).
+
+Routing (the experts each fed token was sent to) costs no tensor op per decode step: the recorder keeps the routers'
+outputs, and they are moved into a ``RoutingBuffer`` shaped like the cache only when rows change (or every
+``ROUTING_FLUSH_STEPS`` steps); a sequence gets its rows when it leaves the batch.
 """
 
 from __future__ import annotations
@@ -20,10 +24,14 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from pipeline.producers.cpu_engine.routing import RoutingRecorder
+from pipeline.producers.cpu_engine.routing import RoutingBuffer, RoutingRecorder
 from pipeline.producers.cpu_engine.sampling import LogprobMode, SamplingSettings, select_token, token_logprobs
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
+
+# Decode steps whose routing the recorder may hold before it is moved into the batch's buffer in one copy. Any row
+# change (a sequence finishing or joining) moves it sooner; this only bounds what is held between.
+ROUTING_FLUSH_STEPS = 64
 
 
 @dataclass(eq=False)
@@ -42,7 +50,8 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     token_versions: list[str] = field(default_factory=list)
-    routing: list[torch.Tensor] = field(default_factory=list)
+    routing: torch.Tensor | None = None
+    """``[P + R - 1, layers, topk]`` int32, set when the sequence leaves the batch (the batch holds it until then)."""
     input_logprobs: list[float | None] | None = None
     finish_reason: dict[str, Any] | None = None
     abort_requested: bool = False
@@ -57,7 +66,7 @@ class Sequence:
 
     def routed_experts(self) -> torch.Tensor | None:
         """All recorded routing rows ``[P + R - 1, layers, topk]``, or None when routing was not recorded."""
-        return torch.cat(self.routing, dim=0) if self.routing else None
+        return self.routing
 
 
 @dataclass
@@ -66,7 +75,7 @@ class _Forward:
 
     logits: torch.Tensor  # [batch, kept positions, vocab] float32
     kv: KV
-    routing: torch.Tensor | None  # [batch, seq, layers, topk] int32
+    routing: torch.Tensor | None  # [batch, seq, layers, topk] int32; None when left with the recorder
 
 
 class BatchGenerator:
@@ -93,11 +102,14 @@ class BatchGenerator:
         if self.recorder is not None and self.recorder.num_layers == 0:
             self.recorder.close()  # a dense model has nothing to record
             self.recorder = None
+        if self.recorder is not None:
+            self.recorder.active = False  # on only around this generator's own forward passes
         self.rows: list[Sequence] = []
         self._kv: KV = []
         self._mask = torch.zeros(0, 0, dtype=torch.long)
         self._pos = torch.zeros(0, dtype=torch.long)
         self._next = torch.zeros(0, dtype=torch.long)
+        self._routing: RoutingBuffer | None = None
         self.tokens_generated = 0
         self.forward_passes = 0
 
@@ -106,20 +118,45 @@ class BatchGenerator:
         """Real (non-padding) tokens held in the KV cache."""
         return int(self._mask.sum()) if self.rows else 0
 
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, kv: KV, keep_all: bool) -> _Forward:
+    def _forward(
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        pos: torch.Tensor,
+        kv: KV,
+        keep_all: bool,
+        take_routing: bool,
+    ) -> _Forward:
+        """One forward pass. With ``take_routing`` its routing comes back in ``_Forward.routing`` (the recorder
+        must hold nothing else); without, the recorder keeps it for ``_flush_routing``."""
         cache = DynamicCache(ddp_cache_data=kv) if kv else DynamicCache(config=self.model.config)
         self.forward_passes += 1
-        with torch.inference_mode():
-            out = self.model(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=pos,
-                cache=cache,
-                use_cache=True,
-                logits_to_keep=0 if keep_all else 1,
-            )
+        recorder = self.recorder
+        kept = recorder.pending if recorder is not None else 0
+        routing = None
+        try:
+            if recorder is not None:
+                recorder.active = True
+            # Routing is read inside inference mode too: ops on its inference tensors cost more outside it.
+            with torch.inference_mode():
+                out = self.model(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    position_ids=pos,
+                    cache=cache,
+                    use_cache=True,
+                    logits_to_keep=0 if keep_all else 1,
+                )
+                if recorder is not None and take_routing:
+                    routing = recorder.take(ids.shape[0], ids.shape[1])
+        except BaseException:
+            if recorder is not None:
+                recorder.forget(kept)  # a pass that failed part way must not leave some layers' ids behind
+            raise
+        finally:
+            if recorder is not None:
+                recorder.active = False
         new_kv = [_layer_kv(layer) for layer in cache.layers]
-        routing = self.recorder.take(ids.shape[0], ids.shape[1]) if self.recorder else None
         return _Forward(out.logits.float(), new_kv, routing)
 
     def _finish_reason(self, seq: Sequence, token: int) -> dict[str, Any] | None:
@@ -154,6 +191,7 @@ class BatchGenerator:
 
         Returns the sequences that finished on their first token.
         """
+        self._flush_routing()  # the prefill's routing is taken alone, and the merge needs the buffer up to date
         lengths = [len(s.prompt_ids) for s in seqs]
         width = max(lengths)
         ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
@@ -163,15 +201,15 @@ class BatchGenerator:
             mask[i, width - lengths[i] :] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         keep_all = any(s.input_logprob_start >= 0 for s in seqs)
-        fwd = self._forward(ids, mask, pos, [], keep_all)
+        fwd = self._forward(ids, mask, pos, [], keep_all, take_routing=True)
         next_tokens = []
         for i, seq in enumerate(seqs):
             offset = width - lengths[i]
-            if fwd.routing is not None:
-                seq.routing.append(fwd.routing[i, offset:].clone())
             if seq.input_logprob_start >= 0:
                 seq.input_logprobs = self._input_logprobs(seq, fwd.logits[i, offset:])
             next_tokens.append(self._emit(seq, fwd.logits[i, -1]))
+            if seq.finished and fwd.routing is not None:
+                seq.routing = fwd.routing[i, offset:].clone()  # the others' rows travel in the batch's buffer
         alive = [i for i, s in enumerate(seqs) if not s.finished]
         if alive:
             index = torch.tensor(alive, dtype=torch.long)
@@ -182,12 +220,22 @@ class BatchGenerator:
                 mask[index],
                 torch.tensor([lengths[i] for i in alive]),
                 torch.tensor([next_tokens[i] for i in alive]),
+                None if fwd.routing is None else fwd.routing[index],
             )
         return [s for s in seqs if s.finished]
 
-    def _merge(self, seqs: list[Sequence], kv: KV, mask: torch.Tensor, pos: torch.Tensor, nxt: torch.Tensor) -> None:
+    def _merge(
+        self,
+        seqs: list[Sequence],
+        kv: KV,
+        mask: torch.Tensor,
+        pos: torch.Tensor,
+        nxt: torch.Tensor,
+        routing: torch.Tensor | None,
+    ) -> None:
         if not self.rows:
             self.rows, self._kv, self._mask, self._pos, self._next = list(seqs), kv, mask, pos, nxt
+            self._routing = None if routing is None else RoutingBuffer(routing)
             self._trim()
             return
         width = max(self._mask.shape[1], mask.shape[1])
@@ -198,6 +246,8 @@ class BatchGenerator:
             for (ko, vo), (kn, vn) in zip(self._kv, kv, strict=True)
         ]  # fmt: skip
         self._mask = torch.cat([F.pad(self._mask, (old_pad, 0)), F.pad(mask, (new_pad, 0))])
+        if self._routing is not None and routing is not None:
+            self._routing = self._routing.merged(routing, old_pad, new_pad)
         self._pos = torch.cat([self._pos, pos])
         self._next = torch.cat([self._next, nxt])
         self.rows.extend(seqs)
@@ -211,19 +261,48 @@ class BatchGenerator:
         if first > 0:
             self._mask = self._mask[:, first:]
             self._kv = [(k[:, :, first:], v[:, :, first:]) for k, v in self._kv]
+            if self._routing is not None:
+                self._routing.trim(first)
 
     def _evict(self) -> list[Sequence]:
         """Remove finished rows from the batch and return them."""
         done = [s for s in self.rows if s.finished]
         if not done:
             return []
+        self._flush_routing()
+        self._hand_over_routing([i for i, s in enumerate(self.rows) if s.finished])
         keep = [i for i, s in enumerate(self.rows) if not s.finished]
         index = torch.tensor(keep, dtype=torch.long)
         self.rows = [self.rows[i] for i in keep]
         self._kv = [(k[index], v[index]) for k, v in self._kv]
         self._mask, self._pos, self._next = self._mask[index], self._pos[index], self._next[index]
+        if self._routing is not None:
+            self._routing.keep_rows(index)
         self._trim()
         return done
+
+    def _flush_routing(self) -> None:
+        """Move the routing of the decode steps run since the last flush into the batch's buffer; needed before
+        rows change or are read."""
+        if self.recorder is None or not self.recorder.pending:
+            return
+        if self._routing is None:
+            raise RuntimeError("decode steps recorded routing but the batch has no routing buffer")
+        self._routing.extend(self.recorder.take_steps(self._routing.rows))
+
+    def _routing_matches_mask(self) -> bool:
+        """Whether the buffer plus the steps the recorder holds cover exactly the mask's rows and columns."""
+        if self.recorder is None or self._routing is None:
+            return False
+        steps, partial = divmod(self.recorder.pending, self.recorder.num_layers)
+        return not partial and (self._routing.rows, self._routing.width + steps) == tuple(self._mask.shape)
+
+    def _hand_over_routing(self, rows: list[int]) -> None:
+        """Give the sequences at batch ``rows`` their routing rows, cut from the batch's buffer."""
+        if self._routing is None:
+            return
+        for i in rows:
+            self.rows[i].routing = self._routing.rows_of(i, self._mask[i])
 
     def abort(self, predicate: Callable[[Sequence], bool], message: str) -> list[Sequence]:
         """Finish every running sequence that matches ``predicate`` with reason ``abort``; return them."""
@@ -235,7 +314,14 @@ class BatchGenerator:
     def reset(self) -> list[Sequence]:
         """Drop the whole batch (after a failed step left it in an unknown state); return the unfinished sequences."""
         dropped = [s for s in self.rows if not s.finished]
+        if self._routing_matches_mask() and len(self.rows) == self._mask.shape[0]:
+            # Only when the failed step left the routing in step with the mask; otherwise these rows are unknown.
+            self._flush_routing()
+            self._hand_over_routing([i for i, s in enumerate(self.rows) if not s.finished])
+        if self.recorder is not None:
+            self.recorder.forget()
         self.rows = []
+        self._routing = None
         self._kv = []
         self._mask = torch.zeros(0, 0, dtype=torch.long)
         self._pos = torch.zeros(0, dtype=torch.long)
@@ -248,12 +334,12 @@ class BatchGenerator:
         if not self.rows:
             return finished
         mask = torch.cat([self._mask, torch.ones(len(self.rows), 1, dtype=torch.long)], dim=1)
-        fwd = self._forward(self._next[:, None], mask, self._pos[:, None], self._kv, keep_all=False)
+        fwd = self._forward(self._next[:, None], mask, self._pos[:, None], self._kv, keep_all=False, take_routing=False)
         self._kv, self._mask = fwd.kv, mask
+        if self.recorder is not None and self.recorder.pending >= ROUTING_FLUSH_STEPS * self.recorder.num_layers:
+            self._flush_routing()
         self._pos = self._pos + 1
         for i, seq in enumerate(self.rows):
-            if fwd.routing is not None:
-                seq.routing.append(fwd.routing[i, :1].clone())
             self._next[i] = self._emit(seq, fwd.logits[i, -1])
         return finished + self._evict()
 
