@@ -588,6 +588,37 @@ def test_dense_model_batches_sequences_that_join_mid_flight(tmp_path: Path) -> N
         assert seq.routed_experts() is None
 
 
+def test_moe_routing_through_joins_aborts_and_long_runs(model_dir: Path, hf_model: Any) -> None:
+    """The generator's routing buffer (flushed on batch changes and every 64 steps) against full forwards."""
+    from pipeline.producers.cpu_engine.generator import BatchGenerator, Sequence
+    from pipeline.producers.cpu_engine.sampling import SamplingSettings
+
+    gen = BatchGenerator(hf_model, eos_ids=frozenset(), pad_id=0, logprob_mode="temperature", record_routing=True,
+                         max_context_len=1024, version="0")
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12], [13, 14, 15], [16, 17, 18, 19, 20, 21, 22, 23], [30, 31]]
+    lengths = [150, 1, 90, 70, 40]  # past the 64-step flush, a one-token answer, and sequences of every age
+    seqs = [Sequence(p, n, SamplingSettings(0.0, 1.0, -1), frozenset(), True, None) for p, n in zip(prompts, lengths)]
+    done = gen.admit(seqs[:2])
+    for _ in range(5):
+        done += gen.step()
+    done += gen.admit(seqs[2:4])
+    for _ in range(30):
+        done += gen.step()
+    done += gen.abort(lambda seq: seq is seqs[3], "test abort")
+    done += gen.admit(seqs[4:])
+    while gen.rows:
+        done += gen.step()
+    assert sorted(map(id, done)) == sorted(map(id, seqs))
+    for seq in seqs:
+        ref = reference(hf_model, seq.prompt_ids, seq.output_ids, 0.0)
+        routed = seq.routed_experts()
+        assert routed is not None and routed.shape == ref["routing"].shape
+        assert np.array_equal(routed.numpy(), ref["routing"]), f"routing differs for a sequence of {len(seq.output_ids)}"
+        if seq is not seqs[3]:
+            assert seq.output_ids == ref["argmax"] and len(seq.output_ids) == seq.max_new_tokens
+    assert 0 < len(seqs[3].output_ids) < seqs[3].max_new_tokens  # the aborted one stopped early, rows intact
+
+
 def test_tiny_model_cli_and_tokenizer(tmp_path: Path) -> None:
     out = tmp_path / "cli_model"
     cmd = [
