@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -136,7 +135,3 @@ def audit(queue: SampleQueue, with_samples: bool = False) -> AuditReport:
         duplicate_sample_ids=sum(1 for c in seen.values() if c > 1),
         samples=rows,
     )
-
-
-def to_json(obj: Any) -> str:
-    return json.dumps(obj, default=str)
