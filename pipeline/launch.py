@@ -207,7 +207,7 @@ def run(cfg: SluiceConfig) -> int:
             if now - last_trim > 10:
                 handle.queue.trim()  # drops only what every group has acked
                 last_trim = now
-            if now - last_report > 30:
+            if now - last_report > 10:
                 _progress(run_dir)
                 last_report = now
             time.sleep(0.5)
