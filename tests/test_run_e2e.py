@@ -87,3 +87,23 @@ def test_sluice_run_survives_kill_9_of_trainer_and_producer(tmp_path: Path) -> N
         handle.close(stop_server=True)
     # Nothing of the run is left behind.
     assert not [p for p in psutil.process_iter(["cmdline"]) if str(run_dir) in " ".join(p.info["cmdline"] or [])]
+
+
+def test_sluice_run_with_two_expert_parallel_trainer_ranks(tmp_path: Path) -> None:
+    run_dir = tmp_path / "ep2"
+    cmd = [sys.executable, "-m", "pipeline.cli", "run", "recipes/cpu-moe.toml", "--run-dir", str(run_dir),
+           "--steps", "6", "--set", "trainer.world_size=2", "--set", "trainer.ep=2",
+           "--set", "trainer.checkpoint_every=3"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    handle = open_run(run_dir=run_dir)
+    try:
+        audit = audit_trainer(handle.queue, run_dir)
+        assert audit.committed_step == 6 and audit.duplicates == 0 and audit.lost == 0 and audit.trained > 0
+        # Rank 0 gathered the other rank's experts for every push, and the engine took them all.
+        pushes = [e for e in handle.queue.events() if e["kind"] == "weight_push"]
+        assert len(pushes) >= 6 and all(e["engines"] == "1" for e in pushes)
+    finally:
+        handle.close(stop_server=True)
+    assert sorted(p.name for p in (run_dir / "logs").glob("trainer-*.log")) == ["trainer-0.log", "trainer-1.log"]
