@@ -7,6 +7,7 @@ import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -80,6 +81,24 @@ def private_redis(tmp_path: Path) -> Iterator[EmbeddedRedis]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3-MoE written for this test module."""
+    from pipeline.models.tiny import init_tiny_model
+
+    return init_tiny_model("qwen3-moe", tmp_path_factory.mktemp("tiny-moe"))
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A CPU engine process serving ``model_dir``, started and stopped by this module."""
+    from engines import start_engine
+
+    started = start_engine(model_dir, tmp_path_factory.mktemp("engine-logs"))
+    yield started
+    started.stop()
 
 
 def make_sample(

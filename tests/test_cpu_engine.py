@@ -546,21 +546,20 @@ def test_truncation_and_logprob_modes() -> None:
     assert seen == {0, 1}
 
 
+def _recording_generator(model: Any) -> Any:
+    from pipeline.producers.cpu_engine.generator import BatchGenerator
+
+    return BatchGenerator(model, eos_ids=frozenset(), pad_id=0, logprob_mode="temperature", record_routing=True,
+                          max_context_len=1024, version="0")
+
+
 def test_dense_model_batches_sequences_that_join_mid_flight(tmp_path: Path) -> None:
-    from pipeline.producers.cpu_engine.generator import BatchGenerator, Sequence
+    from pipeline.producers.cpu_engine.generator import Sequence
     from pipeline.producers.cpu_engine.sampling import SamplingSettings
 
     model_dir = init_tiny_model("qwen3", tmp_path / "dense", seed=3)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    gen = BatchGenerator(
-        model,
-        eos_ids=frozenset(),
-        pad_id=0,
-        logprob_mode="temperature",
-        record_routing=True,
-        max_context_len=1024,
-        version="0",
-    )
+    gen = _recording_generator(model)
     assert gen.recorder is None
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12], [13, 14, 15], [16, 17, 18, 19, 20, 21, 22, 23, 24, 25]]
     seqs = [
@@ -590,11 +589,10 @@ def test_dense_model_batches_sequences_that_join_mid_flight(tmp_path: Path) -> N
 
 def test_moe_routing_through_joins_aborts_and_long_runs(model_dir: Path, hf_model: Any) -> None:
     """The generator's routing buffer (flushed on batch changes and every 64 steps) against full forwards."""
-    from pipeline.producers.cpu_engine.generator import BatchGenerator, Sequence
+    from pipeline.producers.cpu_engine.generator import Sequence
     from pipeline.producers.cpu_engine.sampling import SamplingSettings
 
-    gen = BatchGenerator(hf_model, eos_ids=frozenset(), pad_id=0, logprob_mode="temperature", record_routing=True,
-                         max_context_len=1024, version="0")
+    gen = _recording_generator(hf_model)
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12], [13, 14, 15], [16, 17, 18, 19, 20, 21, 22, 23], [30, 31]]
     lengths = [150, 1, 90, 70, 40]  # past the 64-step flush, a one-token answer, and sequences of every age
     seqs = [Sequence(p, n, SamplingSettings(0.0, 1.0, -1), frozenset(), True, None) for p, n in zip(prompts, lengths)]
@@ -668,19 +666,11 @@ def _full_forward_stats(model: Any, seqs: list[Any]) -> tuple[np.ndarray, float]
 
 
 def test_bfloat16_generation_against_bf16_and_fp32_forwards(model_dir: Path, hf_model: Any) -> None:
-    from pipeline.producers.cpu_engine.generator import BatchGenerator, Sequence
+    from pipeline.producers.cpu_engine.generator import Sequence
     from pipeline.producers.cpu_engine.sampling import SamplingSettings
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
-    gen = BatchGenerator(
-        model,
-        eos_ids=frozenset(),
-        pad_id=0,
-        logprob_mode="temperature",
-        record_routing=True,
-        max_context_len=1024,
-        version="0",
-    )
+    gen = _recording_generator(model)
     seqs = [Sequence(p, 48, SamplingSettings(0.0, 1.0, -1), frozenset(), True, None) for p in PROMPTS]
     gen.admit(seqs)
     while gen.rows:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,20 +39,6 @@ from pipeline.queue.sample import Sample, SampleStatus
 LOGPROB_ATOL = 1e-4
 # Eight ordinary characters end a response, so that a seeded run has both `stop` and `length` endings.
 STOP_IDS = [10, 15, 20, 25, 30, 35, 40, 45]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from pipeline.models.tiny import init_tiny_model
-
-    return init_tiny_model("qwen3-moe", tmp_path_factory.mktemp("tiny-moe"))
-
-
-@pytest.fixture(scope="module")
-def engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
-    started = start_engine(model_dir, tmp_path_factory.mktemp("engine-logs"))
-    yield started
-    started.stop()
 
 
 @pytest.fixture(scope="module")

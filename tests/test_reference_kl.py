@@ -16,7 +16,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -25,6 +24,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("megatron.core")
 
+from train_samples import synthetic_groups, tiny_moe  # noqa: E402
+
 from pipeline.consumers.loss import CorrectionConfig, LossConfig  # noqa: E402
 from pipeline.consumers.megatron.config import ModelConfig, ParallelConfig  # noqa: E402
 from pipeline.consumers.megatron.convert import load_hf_into_megatron, megatron_to_hf_state_dict  # noqa: E402
@@ -32,41 +33,12 @@ from pipeline.consumers.megatron.model import build_gpt_model, init_parallel  # 
 from pipeline.consumers.train_step import TrainStep, TrainStepConfig, shard_groups  # noqa: E402
 from pipeline.errors import ConfigError  # noqa: E402
 from pipeline.models.tiny import init_tiny_model  # noqa: E402
-from pipeline.queue.sample import Sample, SampleStatus, SamplingInfo  # noqa: E402
-
-
-def _groups(model_cfg: ModelConfig, sizes: list[int], seed: int, *, equal_rewards: bool = False) -> list[list[Sample]]:
-    """Groups with random tokens and random (not the model's own) routing; group 1's first sample has none."""
-    rng = np.random.default_rng(seed)
-    groups = []
-    for g, size in enumerate(sizes):
-        prompt = rng.integers(4, model_cfg.vocab_size, int(rng.integers(3, 7))).tolist()
-        group = []
-        for i in range(size):
-            r = int(rng.integers(3, 9))
-            scores = rng.random((len(prompt) + r - 1, model_cfg.num_layers, model_cfg.num_experts))
-            routing = np.argsort(-scores, axis=-1)[..., : model_cfg.moe_topk].astype(np.uint8)
-            group.append(
-                Sample(
-                    prompt_ids=np.array(prompt, dtype=np.int32),
-                    response_ids=rng.integers(4, model_cfg.vocab_size, r).astype(np.int32),
-                    rollout_logprobs=-rng.uniform(2.0, 5.0, r).astype(np.float32),
-                    token_versions=np.zeros(r, dtype=np.int32),
-                    routed_experts=None if (g, i) == (1, 0) else routing,
-                    reward=1.0 if equal_rewards else float(rng.random()),
-                    status=SampleStatus.COMPLETED,
-                    sampling=SamplingInfo(temperature=0.8),
-                )
-            )
-        groups.append(group)
-    return groups
+from pipeline.queue.sample import Sample  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, ModelConfig]:
-    folder = init_tiny_model("qwen3-moe", tmp_path_factory.mktemp("tiny"), seed=0)
-    model_cfg = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()), dtype="float32")
-    return folder, model_cfg
+    return tiny_moe(tmp_path_factory.mktemp("tiny"))
 
 
 def _models(
@@ -95,7 +67,7 @@ def test_kl_ref_is_zero_while_policy_equals_reference_then_grows(tiny: tuple[Pat
     trainer = TrainStep(policy, model_cfg, cfg, reference=reference)
     forwards: list[int] = []
     handle = reference.register_forward_pre_hook(lambda *_: forwards.append(1))
-    groups = _groups(model_cfg, [4, 4, 4], seed=3)
+    groups = synthetic_groups(model_cfg, [4, 4, 4], seed=3, min_response=3)
     history = [trainer.step(groups) for _ in range(4)]
     handle.remove()
     trainer.close()
@@ -149,7 +121,7 @@ def _perturbed_run(folder: Path, model_cfg: ModelConfig, kl_coef: float, steps: 
     )
     opt = torch.optim.SGD(policy.parameters(), lr=cfg.lr)
     trainer = TrainStep(policy, model_cfg, cfg, optimizer=opt, reference=reference if kl_coef > 0 else None)
-    groups = _groups(model_cfg, [4, 4, 4], seed=8, equal_rewards=True)
+    groups = synthetic_groups(model_cfg, [4, 4, 4], seed=8, equal_rewards=True, min_response=3)
     # Between steps no replay is armed, so both models route freely here.
     before = _exact_kl(policy, reference, groups)
     history = [trainer.step(groups) for _ in range(steps)]
@@ -239,7 +211,7 @@ def _train(folder: Path, parallel: ParallelConfig | None = None) -> tuple[list[d
     trainer = TrainStep(
         policy, model_cfg, _parallel_cfg(), optimizer=torch.optim.SGD(policy.parameters(), lr=1.0), reference=reference
     )
-    groups = _groups(model_cfg, GROUP_SIZES, seed=11)
+    groups = synthetic_groups(model_cfg, GROUP_SIZES, seed=11, min_response=3)
     mine = shard_groups(groups, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
     history = [trainer.step(mine) for _ in range(STEPS)]
     weights = {k: v.clone().contiguous() for k, v in megatron_to_hf_state_dict(policy, model_cfg).items()}

@@ -13,7 +13,6 @@ import base64
 import importlib.util
 import signal
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,20 +40,6 @@ needs_engine = pytest.mark.skipif(
     not HAVE_ENGINE, reason="pipeline.producers.cpu_engine / pipeline.models.tiny are not in this checkout yet"
 )
 FAST = Retry(backoff=ExponentialBackoff(base=0.0, cap=0.0, jitter=False), retries=3)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from pipeline.models.tiny import init_tiny_model
-
-    return init_tiny_model("qwen3-moe", tmp_path_factory.mktemp("tiny-moe"))
-
-
-@pytest.fixture(scope="module")
-def engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
-    started = start_engine(model_dir, tmp_path_factory.mktemp("engine-logs"))
-    yield started
-    started.stop()
 
 
 def _moe_shape(model_dir: Path) -> tuple[int, int, int]:

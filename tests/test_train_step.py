@@ -22,6 +22,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("megatron.core")
 
+from train_samples import synthetic_groups, tiny_moe  # noqa: E402
+
 from pipeline.consumers.batch import (  # noqa: E402
     RoutingShape,
     collate,
@@ -168,40 +170,9 @@ def test_padding_helpers_add_no_loss() -> None:
 # --- a tiny model, trained -------------------------------------------------------------------------------------------
 
 
-def _synthetic_groups(model_cfg: ModelConfig, sizes: list[int], seed: int) -> list[list[Sample]]:
-    """Deterministic groups with varied lengths and rewards, valid routing, one failed and one unrouted sample."""
-    rng = np.random.default_rng(seed)
-    groups = []
-    for g, size in enumerate(sizes):
-        prompt = rng.integers(4, model_cfg.vocab_size, int(rng.integers(3, 7))).tolist()
-        group = []
-        for i in range(size):
-            r = int(rng.integers(2, 9))
-            scores = rng.random((len(prompt) + r - 1, model_cfg.num_layers, model_cfg.num_experts))
-            routing = np.argsort(-scores, axis=-1)[..., : model_cfg.moe_topk].astype(np.uint8)
-            if not model_cfg.is_moe:
-                routing = None
-            group.append(
-                Sample(
-                    prompt_ids=np.array(prompt, dtype=np.int32),
-                    response_ids=rng.integers(4, model_cfg.vocab_size, r).astype(np.int32),
-                    rollout_logprobs=-rng.uniform(2.0, 5.0, r).astype(np.float32),
-                    token_versions=np.zeros(r, dtype=np.int32),
-                    routed_experts=None if (g, i) == (1, 0) else routing,  # one sample without routing
-                    reward=float(rng.random()),
-                    status=SampleStatus.FAILED if (g, i) == (2, 1) else SampleStatus.COMPLETED,
-                    sampling=SamplingInfo(temperature=0.8),
-                )
-            )
-        groups.append(group)
-    return groups
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, ModelConfig]:
-    folder = init_tiny_model("qwen3-moe", tmp_path_factory.mktemp("tiny"), seed=0)
-    model_cfg = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()), dtype="float32")
-    return folder, model_cfg
+    return tiny_moe(tmp_path_factory.mktemp("tiny"))
 
 
 def _trainer(folder: Path, model_cfg: ModelConfig, cfg: TrainStepConfig, parallel: ParallelConfig | None = None,
@@ -219,7 +190,7 @@ def test_policy_gradient_raises_high_advantage_responses(tiny: tuple[Path, Model
     cfg = TrainStepConfig(lr=3e-3, micro_batch_samples=4, grad_clip=1.0,
                           loss=LossConfig(correction=CorrectionConfig(type="none")))
     trainer = _trainer(folder, model_cfg, cfg)
-    groups = _synthetic_groups(model_cfg, [4, 4, 4], seed=3)
+    groups = synthetic_groups(model_cfg, [4, 4, 4], seed=3, failed=((2, 1),))
     routed = [[s for s in g if s.routed_experts is not None] for g in groups]
     before = trainer.compute_logprobs(routed, replay=True)
     history = [trainer.step(groups) for _ in range(3)]
@@ -295,7 +266,7 @@ def _run_layout(name: str, models: Path, out: Path, rank: int) -> None:
     model_cfg = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()), dtype="float32")
     parallel = ParallelConfig(tp=tp, ep=ep, dispatcher=dispatcher, device="cpu")  # type: ignore[arg-type]
     trainer = _trainer(folder, model_cfg, _parallel_cfg(), parallel, "sgd")
-    groups = _synthetic_groups(model_cfg, GROUP_SIZES, seed=11)
+    groups = synthetic_groups(model_cfg, GROUP_SIZES, seed=11, failed=((2, 1),))
     mine = shard_groups(groups, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
     metrics = trainer.step(mine)
     exported = {k: v.clone().contiguous() for k, v in megatron_to_hf_state_dict(trainer.model, model_cfg).items()}
@@ -325,7 +296,7 @@ def _reference(folder: Path) -> tuple[dict, dict[str, torch.Tensor], float]:
     model_cfg = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()), dtype="float32")
     trainer = _trainer(folder, model_cfg, _parallel_cfg(), optimizer="sgd")
     initial = {k: v.clone() for k, v in megatron_to_hf_state_dict(trainer.model, model_cfg).items()}
-    metrics = trainer.step(_synthetic_groups(model_cfg, GROUP_SIZES, seed=11))
+    metrics = trainer.step(synthetic_groups(model_cfg, GROUP_SIZES, seed=11, failed=((2, 1),)))
     weights = megatron_to_hf_state_dict(trainer.model, model_cfg)
     trainer.close()
     return metrics, weights, max((weights[k] - v).abs().max().item() for k, v in initial.items())
