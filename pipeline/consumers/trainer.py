@@ -209,6 +209,10 @@ class Trainer:
                 # A partial batch is not trained; its entries stay pending and are redone after a restart.
                 batch = None
         self._rank0_batch = batch
+        if not self._distributed:
+            if batch is None:
+                self._stop = True
+            return batch
         payload = None if batch is None else [encode_samples(g) for g in batch.groups]
         shared = self._share({"groups": payload})
         if shared["groups"] is None:
@@ -286,9 +290,13 @@ class Trainer:
             prune_checkpoints(self.ckpt_root, self.s.keep_checkpoints)
 
     # -------------------------------------------------------------------------------------------------- helpers
+    @property
+    def _distributed(self) -> bool:
+        return self._bytes_group is not None and dist.get_world_size() > 1
+
     def _share(self, obj: dict[str, Any]) -> dict[str, Any]:
         """Rank 0's ``obj`` on every rank, as msgpack over gloo."""
-        if self._bytes_group is None or dist.get_world_size() == 1:
+        if not self._distributed:
             return obj
         return broadcast_msgpack(obj if self.rank == 0 else None, self._bytes_group)
 
