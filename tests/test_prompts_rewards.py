@@ -18,7 +18,15 @@ from hypothesis import strategies as st
 from pipeline.consumers.staleness import may_admit
 from pipeline.errors import ConfigError
 from pipeline.producers.producer import _ADMIT
-from pipeline.producers.prompts import Prompt, PromptConfig, PromptCursor, load_jsonl, setup_prompts, synthetic
+from pipeline.producers.prompts import (
+    Prompt,
+    PromptConfig,
+    PromptCursor,
+    load_jsonl,
+    setup_heldout,
+    setup_prompts,
+    synthetic,
+)
 from pipeline.producers.rewards import integer_match, prefix_match, resolve_reward, score
 from pipeline.queue.keys import RunKeys
 
@@ -36,6 +44,27 @@ def test_synthetic_tasks_are_deterministic_and_answerable() -> None:
     assert a[50].prompt_id == a[0].prompt_id  # epochs wrap
     with pytest.raises(ConfigError, match="unknown synthetic task"):
         synthetic("chess")
+
+
+def test_heldout_split_is_distinct_and_disjoint_from_training(tmp_path: Path) -> None:
+    cfg = PromptConfig(task="addition", digits=2, size=2000, heldout=300, seed=5)
+    train, held = setup_prompts(cfg), setup_heldout(cfg)
+    train_texts = {train[i].text for i in range(len(train))}
+    held_texts = {held[i].text for i in range(len(held))}
+    assert len(train) == 2000 and len(train_texts) == 2000  # every training prompt distinct
+    assert len(held) == 300 and len(held_texts) == 300
+    assert not train_texts & held_texts  # never trained on
+    assert setup_heldout(cfg)[7] == held[7]  # deterministic: producers and evaluator agree without talking
+    with pytest.raises(ConfigError, match="has 100 distinct prompts"):
+        setup_prompts(PromptConfig(task="addition", digits=1, size=90, heldout=20))
+    with pytest.raises(ConfigError, match="no held-out split"):
+        setup_heldout(PromptConfig())
+    rows = [{"id": str(i), "prompt": f"{i}+0=", "answer": str(i)} for i in range(10)]
+    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    file_cfg = PromptConfig(type="jsonl", path=tmp_path / "p.jsonl", heldout=3)
+    assert len(setup_prompts(file_cfg)) == 7 and [setup_heldout(file_cfg)[i].prompt_id for i in range(3)] == ["7", "8", "9"]
+    with pytest.raises(ConfigError, match="give one of them"):
+        PromptConfig(type="jsonl", path=tmp_path / "p.jsonl", heldout=3, heldout_path=tmp_path / "p.jsonl")
 
 
 def test_jsonl_and_parquet_sources(tmp_path: Path) -> None:

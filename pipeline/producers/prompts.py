@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import redis
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pipeline.errors import ConfigError
 from pipeline.queue.keys import RunKeys
@@ -104,45 +104,86 @@ def load_parquet(path: str | Path) -> ListPrompts:
 
 
 # --------------------------------------------------------------------------------------------- synthetic tasks
-def _addition(rng: random.Random, i: int, digits: int) -> Prompt:
-    a, b = rng.randrange(10**digits), rng.randrange(10**digits)
-    return Prompt(prompt_id=f"add-{i}", text=f"{a}+{b}=", answer=str(a + b), metadata={"task": "addition"})
+# Each task maps a code in [0, space) to one prompt, so a set of distinct codes is a set of distinct prompts: the
+# training and held-out splits are drawn together without replacement and can never share a prompt.
+def _addition(code: int, digits: int) -> tuple[str, str]:
+    a, b = divmod(code, 10**digits)
+    return f"{a}+{b}=", str(a + b)
 
 
-def _increment(rng: random.Random, i: int, digits: int) -> Prompt:
-    a = rng.randrange(10**digits)
-    return Prompt(prompt_id=f"inc-{i}", text=f"{a}+1=", answer=str(a + 1), metadata={"task": "increment"})
+def _increment(code: int, digits: int) -> tuple[str, str]:
+    return f"{code}+1=", str(code + 1)
 
 
-def _copy(rng: random.Random, i: int, digits: int) -> Prompt:
-    s = "".join(rng.choice("abcdefghij") for _ in range(digits + 2))
-    return Prompt(prompt_id=f"copy-{i}", text=f"copy {s}:", answer=s, metadata={"task": "copy"})
+def _letters(code: int, width: int, alphabet: str) -> str:
+    out = []
+    for _ in range(width):
+        code, r = divmod(code, len(alphabet))
+        out.append(alphabet[r])
+    return "".join(out)
 
 
-def _reverse(rng: random.Random, i: int, digits: int) -> Prompt:
-    s = "".join(rng.choice("0123456789") for _ in range(digits + 1))
-    return Prompt(prompt_id=f"rev-{i}", text=f"rev {s}:", answer=s[::-1], metadata={"task": "reverse"})
+def _copy(code: int, digits: int) -> tuple[str, str]:
+    s = _letters(code, digits + 2, "abcdefghij")
+    return f"copy {s}:", s
 
 
-SYNTHETIC_TASKS: dict[str, Callable[[random.Random, int, int], Prompt]] = {
-    "addition": _addition,
-    "increment": _increment,
-    "copy": _copy,
-    "reverse": _reverse,
+def _reverse(code: int, digits: int) -> tuple[str, str]:
+    s = _letters(code, digits + 1, "0123456789")
+    return f"rev {s}:", s[::-1]
+
+
+@dataclass(frozen=True)
+class _Task:
+    make: Callable[[int, int], tuple[str, str]]
+    prefix: str
+    space: Callable[[int], int]
+    """Number of distinct prompts for a digit count."""
+
+
+SYNTHETIC_TASKS: dict[str, _Task] = {
+    "addition": _Task(_addition, "add", lambda d: 10 ** (2 * d)),
+    "increment": _Task(_increment, "inc", lambda d: 10**d),
+    "copy": _Task(_copy, "copy", lambda d: 10 ** (d + 2)),
+    "reverse": _Task(_reverse, "rev", lambda d: 10 ** (d + 1)),
 }
 
 
-def synthetic(task: str, size: int = 1024, digits: int = 2, seed: int = 0) -> ListPrompts:
-    """A deterministic synthetic task (the same seed gives the same prompts) with exact-match answers."""
+def synthetic_split(
+    task: str, size: int = 1024, heldout: int = 0, digits: int = 2, seed: int = 0
+) -> tuple[ListPrompts, ListPrompts | None]:
+    """(training prompts, held-out prompts or None): ``size + heldout`` distinct prompts of a synthetic task.
+
+    Deterministic in (task, size, heldout, digits, seed). Every prompt is distinct, within and across the splits, so
+    a held-out pass rate measures generalisation, not recall of a prompt seen in training.
+    """
     if task not in SYNTHETIC_TASKS:
         raise ConfigError(f"unknown synthetic task {task!r}; choose one of {sorted(SYNTHETIC_TASKS)}")
-    rng = random.Random(seed)
-    make = SYNTHETIC_TASKS[task]
-    return ListPrompts([make(rng, i, digits) for i in range(size)])
+    spec = SYNTHETIC_TASKS[task]
+    space = spec.space(digits)
+    if size + heldout > space:
+        raise ConfigError(
+            f"synthetic task {task!r} with digits={digits} has {space} distinct prompts, fewer than prompts.size + "
+            f"prompts.heldout = {size + heldout}; lower them or raise prompts.digits"
+        )
+    codes = random.Random(seed).sample(range(space), size + heldout)
+
+    def build(code: int, pid: str) -> Prompt:
+        text, answer = spec.make(code, digits)
+        return Prompt(prompt_id=pid, text=text, answer=answer, metadata={"task": task})
+
+    train = ListPrompts([build(c, f"{spec.prefix}-{i}") for i, c in enumerate(codes[:size])])
+    held = [build(c, f"{spec.prefix}-heldout-{i}") for i, c in enumerate(codes[size:])]
+    return train, (ListPrompts(held) if held else None)
+
+
+def synthetic(task: str, size: int = 1024, digits: int = 2, seed: int = 0) -> ListPrompts:
+    """A deterministic synthetic task (the same seed gives the same prompts) of distinct exact-match prompts."""
+    return synthetic_split(task, size, 0, digits, seed)[0]
 
 
 class PromptConfig(BaseModel):
-    """Where prompts come from."""
+    """Where prompts come from, and the held-out split the evaluator generates on (never trained on)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -153,21 +194,64 @@ class PromptConfig(BaseModel):
     task: str = "addition"
     """Synthetic task: addition, increment, copy or reverse."""
     size: int = Field(1024, ge=1)
-    """Number of synthetic prompts."""
+    """Number of synthetic training prompts (all distinct)."""
     digits: int = Field(2, ge=1, le=9)
     """Difficulty of synthetic prompts."""
     seed: int = Field(0, ge=0)
-    """Seed of synthetic prompts."""
+    """Seed of synthetic prompts (and of the split)."""
+    heldout: int = Field(0, ge=0, le=1_000_000)
+    """Prompts set aside for held-out evaluation: synthetic ones are distinct from every training prompt; from a
+    file, the last ``heldout`` records. 0 = no held-out split (unless heldout_path is given)."""
+    heldout_path: Path | None = None
+    """A separate held-out file (jsonl or parquet, by suffix); the training file is then used whole."""
+
+    @model_validator(mode="after")
+    def _check_heldout(self) -> PromptConfig:
+        if self.heldout_path is not None and self.heldout:
+            raise ConfigError("prompts.heldout_path and prompts.heldout both name a held-out split; give one of them")
+        if self.heldout_path is not None and self.heldout_path.suffix not in (".jsonl", ".parquet"):
+            raise ConfigError(f"prompts.heldout_path {self.heldout_path} must end in .jsonl or .parquet")
+        return self
+
+    @property
+    def has_heldout(self) -> bool:
+        """Whether the config names a held-out split."""
+        return bool(self.heldout) or self.heldout_path is not None
+
+
+def _load_file(kind: str, path: Path | None) -> ListPrompts:
+    if path is None:
+        raise ConfigError(f"prompts.type={kind!r} needs prompts.path")
+    loaders: dict[str, Callable[[Path], ListPrompts]] = {"jsonl": load_jsonl, "parquet": load_parquet}
+    return loaders[kind](path)
+
+
+def _split(cfg: PromptConfig) -> tuple[ListPrompts, ListPrompts | None]:
+    if cfg.type == "synthetic":
+        return synthetic_split(cfg.task, cfg.size, cfg.heldout, cfg.digits, cfg.seed)
+    source = _load_file(cfg.type, cfg.path)
+    if cfg.heldout_path is not None:
+        return source, _load_file(cfg.heldout_path.suffix.lstrip("."), cfg.heldout_path)
+    if not cfg.heldout:
+        return source, None
+    if cfg.heldout >= len(source):
+        raise ConfigError(f"prompts.heldout={cfg.heldout} leaves no training prompts in {cfg.path} "
+                          f"({len(source)} records); lower it")
+    cut = len(source) - cfg.heldout
+    return ListPrompts([source[i] for i in range(cut)]), ListPrompts([source[i] for i in range(cut, len(source))])
 
 
 def setup_prompts(cfg: PromptConfig) -> ListPrompts:
-    """The prompt source a config names; raises ConfigError for an unknown type or a missing file."""
-    if cfg.type == "synthetic":
-        return synthetic(cfg.task, cfg.size, cfg.digits, cfg.seed)
-    if cfg.path is None:
-        raise ConfigError(f"prompts.type={cfg.type!r} needs prompts.path")
-    loaders: dict[str, Callable[[Path], ListPrompts]] = {"jsonl": load_jsonl, "parquet": load_parquet}
-    return loaders[cfg.type](cfg.path)
+    """The training prompts a config names (without its held-out split); raises ConfigError for a bad source."""
+    return _split(cfg)[0]
+
+
+def setup_heldout(cfg: PromptConfig) -> ListPrompts:
+    """The held-out prompts a config names; raises ConfigError when it names none."""
+    held = _split(cfg)[1]
+    if held is None:
+        raise ConfigError("no held-out split: set prompts.heldout (a count) or prompts.heldout_path")
+    return held
 
 
 class PromptCursor:
