@@ -445,6 +445,50 @@ def test_weight_push_mid_generation_switches_version(model_dir: Path, tmp_path: 
         engine.stop()
 
 
+def test_update_weights_from_disk_serves_the_new_weights(model_dir: Path, hf_model: Any, tmp_path: Path) -> None:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    new_dir = init_tiny_model("qwen3-moe", tmp_path / "new_weights", seed=1)
+    new_model = transformers.AutoModelForCausalLM.from_pretrained(new_dir, dtype=torch.float32).eval()
+    dense_dir = init_tiny_model("qwen3", tmp_path / "dense", seed=1)
+    partial_dir = tmp_path / "partial"
+    shutil.copytree(new_dir, partial_dir)
+    tensors = load_file(str(partial_dir / "model.safetensors"))
+    del tensors["lm_head.weight"]
+    save_file(tensors, str(partial_dir / "model.safetensors"), metadata={"format": "pt"})
+
+    engine = EngineProcess(model_dir, tmp_path / "engine.log", "--enable-return-routed-experts")
+    try:
+        before = [engine.generate(_request(p, max_new_tokens=20)) for p in PROMPTS]
+        for folder, hint in [(tmp_path / "nowhere", "not a folder"), (dense_dir, "not a parameter"),
+                             (partial_dir, "missing lm_head.weight")]:
+            response = engine.post("/update_weights_from_disk", {"model_path": str(folder), "weight_version": "9"})
+            reply = response.json()
+            assert response.status_code == 400 and reply["success"] is False and hint in reply["message"], reply
+        # Refused loads change nothing: same version, same tokens.
+        assert engine.get("/model_info")["weight_version"] == "0"
+        assert engine.generate(_request(PROMPTS[0], max_new_tokens=20))["output_ids"] == before[0]["output_ids"]
+
+        reply = engine.post("/update_weights_from_disk", {"model_path": str(new_dir), "weight_version": "7"}).json()
+        assert reply == {"success": True, "message": reply["message"]} and reply["success"], reply
+        info = engine.get("/model_info")
+        assert info["weight_version"] == "7" and info["model_path"] == str(new_dir)
+        after = [engine.generate(_request(p, max_new_tokens=20)) for p in PROMPTS]
+        # The engine now computes the NEW model: greedy tokens, logprobs and routing of an independent forward.
+        max_diff, agree, total = _check_against_reference(new_model, after, PROMPTS, 0.0)
+        assert max_diff < LOGPROB_ATOL and agree == total
+        assert all(a["meta_info"]["weight_versions"] == [{"version": "7", "start": 0, "end": 20}] for a in after)
+        assert [a["output_ids"] for a in after] != [b["output_ids"] for b in before]
+        # ... and not the old one: the old model gives these tokens clearly different logprobs.
+        old = reference(hf_model, PROMPTS[0], after[0]["output_ids"], 0.0)["logprobs"]
+        got = np.array([e[0] for e in after[0]["meta_info"]["output_token_logprobs"]])
+        assert np.abs(got - old).max() > 0.1
+    finally:
+        engine.stop()
+
+
 def _wait_for(predicate: Any, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():

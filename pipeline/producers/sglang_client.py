@@ -422,6 +422,19 @@ class SGLangClient:
         """Leave the weight group ``group_name``."""
         return await self._weight_call("/destroy_weights_update_group", {"group_name": group_name})
 
+    async def update_weights_from_disk(
+        self, model_path: str, *, weight_version: str | int | None = None, abort_all_requests: bool = False
+    ) -> EngineReply:
+        """Load a whole HF model folder (a path on the engine's machine) and label it ``weight_version``.
+
+        SGLang's ``/update_weights_from_disk``; requests in flight continue on the new weights unless
+        ``abort_all_requests``. Not retried, like every weight endpoint: a refusal says why in its message.
+        """
+        body: dict[str, Any] = {"model_path": model_path, "abort_all_requests": abort_all_requests}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        return await self._weight_call("/update_weights_from_disk", body)
+
     async def update_weight_version(self, new_version: str | int, *, abort_all_requests: bool = False) -> EngineReply:
         """Relabel the engine's weights; SGLang's default would abort in-flight requests, so ours is ``False``."""
         body = {"new_version": str(new_version), "abort_all_requests": abort_all_requests}

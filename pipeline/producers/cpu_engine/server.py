@@ -7,6 +7,10 @@ Endpoints (bodies and answers in SGLang's field names; see ``protocol.py`` for `
   joins the weight group (gloo only here) and answers once joined; ``POST /destroy_weights_update_group``.
 - ``POST /begin_weight_update``, ``POST /update_weights_from_distributed``, ``POST /end_weight_update``; the middle
   one answers 400 outside a begin/end window, as SGLang does.
+- ``POST /update_weights_from_disk`` ``{model_path, weight_version, abort_all_requests (default false)}``: load a
+  whole HF folder's safetensors (SGLang's protocol; the evaluator loads weight snapshots this way). The folder must
+  fit the served architecture and cover every parameter; otherwise the old weights are kept. ``model_path`` in
+  ``/model_info`` then names the folder.
 - ``POST /update_weight_version`` ``{new_version, abort_all_requests (default true, as SGLang)}``.
 - ``POST /pause_generation`` ``{mode: abort|retract|in_place}`` (retract behaves like in_place: requests keep their
   KV cache and resume), ``POST /continue_generation``, ``POST /flush_cache``, ``POST /abort_request``
@@ -94,6 +98,22 @@ class UpdateFromDistributedRequest(BaseModel):
     """Version to report once these weights are loaded; None keeps the current one."""
 
 
+class UpdateFromDiskRequest(BaseModel):
+    """Body of ``/update_weights_from_disk``."""
+
+    model_config = ConfigDict(extra="ignore")
+    model_path: str = Field(min_length=1)
+    """An HF model folder on the engine's machine, of the served architecture."""
+    load_format: str | None = None
+    """Accepted for compatibility; the CPU engine reads safetensors only."""
+    abort_all_requests: bool = False
+    """Abort running and waiting requests before loading (otherwise they continue on the new weights)."""
+    weight_version: str | int | None = None
+    """Version to report once these weights are loaded; None keeps the current one."""
+    flush_cache: bool = True
+    """Accepted for compatibility; the CPU engine keeps no prefix cache."""
+
+
 def _reply(success: bool, message: str, status: int | None = None) -> web.Response:
     return web.json_response({"success": success, "message": message}, status=status or (200 if success else 400))
 
@@ -134,6 +154,7 @@ class Engine:
         from transformers import AutoTokenizer
 
         self.cfg = cfg
+        self.model_path = cfg.model_path
         if cfg.num_threads is not None:
             torch.set_num_threads(cfg.num_threads)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
@@ -171,7 +192,7 @@ class Engine:
         """The ``/model_info`` answer."""
         config = self.model.config
         return {
-            "model_path": self.cfg.model_path,
+            "model_path": self.model_path,
             "tokenizer_path": self.cfg.model_path,
             "is_generation": True,
             "weight_version": self.generator.version,
@@ -286,6 +307,7 @@ def build_app(engine: Engine) -> web.Application:
     app.router.add_post("/begin_weight_update", routes.begin_update)
     app.router.add_post("/end_weight_update", routes.end_update)
     app.router.add_post("/update_weights_from_distributed", routes.update_from_distributed)
+    app.router.add_post("/update_weights_from_disk", routes.update_from_disk)
     app.router.add_post("/update_weight_version", routes.update_version)
     app.router.add_post("/pause_generation", routes.pause)
     app.router.add_post("/continue_generation", routes.resume)
@@ -455,6 +477,33 @@ class _Routes:
         self.engine.weights.apply(tensors)
         if body.weight_version is not None:
             self.engine.generator.version = body.weight_version
+
+    async def update_from_disk(self, request: web.Request) -> web.Response:
+        """``POST /update_weights_from_disk``: read a whole HF folder off the scheduler thread, then load it between
+        two forward passes."""
+        engine = self.engine
+        try:
+            body = UpdateFromDiskRequest.model_validate(await _json_body(request))
+        except ValidationError as exc:
+            return _reply(False, f"invalid /update_weights_from_disk request: {exc}")
+        async with engine.update_lock:
+            try:
+                tensors = await asyncio.to_thread(engine.weights.read_folder, body.model_path)
+            except EngineError as exc:
+                return _reply(False, f"{exc}; the old weights are kept")
+            version = None if body.weight_version is None else str(body.weight_version)
+
+            def load() -> None:
+                if body.abort_all_requests:
+                    engine.abort(lambda s: True, "aborted by a weight update")
+                engine.weights.apply(tensors)
+                engine.model_path = body.model_path
+                if version is not None:
+                    engine.generator.version = version
+
+            await asyncio.wrap_future(engine.scheduler.call(load))
+        return _reply(True, f"loaded {len(tensors)} tensors from {body.model_path}; weight_version "
+                            f"{engine.generator.version}")
 
     async def update_version(self, request: web.Request) -> web.Response:
         """``POST /update_weight_version``."""

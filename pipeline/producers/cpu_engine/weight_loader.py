@@ -8,9 +8,16 @@ per-expert names are therefore mapped onto views of the fused tensors. The in-me
 An update is all or nothing: every announced name and shape is checked before the first tensor is received (a gloo
 broadcast into a wrong-sized buffer aborts the process), tensors are received into fresh buffers, and the model is
 written only after the last one arrived.
+
+A load from disk (``/update_weights_from_disk``) replaces the whole model, so besides names and shapes it checks that
+the folder's tensors write every element of every parameter: a folder of another architecture, or one missing a
+shard, is refused before anything is written rather than leaving a model that is half old, half new.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -47,6 +54,10 @@ def weight_targets(model: nn.Module) -> dict[str, torch.Tensor]:
     return targets
 
 
+def _storage(t: torch.Tensor) -> int:
+    return int(t.untyped_storage().data_ptr())
+
+
 class WeightLoader:
     """Checks weight-update announcements against the model and writes received tensors into it."""
 
@@ -57,6 +68,12 @@ class WeightLoader:
             for name, t in self._targets.items()
             if t.is_floating_point()
         }
+        # Elements per parameter storage: a full load must write all of them (views of one fused tensor add up).
+        self._param_numel: dict[int, int] = {}
+        self._param_name: dict[int, str] = {}
+        for name, param in model.named_parameters():
+            self._param_numel.setdefault(_storage(param), param.numel())
+            self._param_name.setdefault(_storage(param), name)
 
     @property
     def names(self) -> list[str]:
@@ -84,3 +101,50 @@ class WeightLoader:
         with torch.no_grad():
             for name, tensor in tensors:
                 self._targets[name].copy_(tensor)
+
+    def check_complete(self, names: Iterable[str]) -> None:
+        """Raise EngineError unless tensors of these (known) names write every element of every model parameter."""
+        written: dict[int, int] = {}
+        for name in set(names):
+            target = self._targets[name]
+            written[_storage(target)] = written.get(_storage(target), 0) + target.numel()
+        missing = [self._param_name[ptr] for ptr, numel in self._param_numel.items() if written.get(ptr, 0) < numel]
+        if missing:
+            shown = ", ".join(sorted(missing)[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise EngineError(f"the checkpoint does not cover every parameter of the model (missing {shown})")
+
+    def read_folder(self, folder: str | Path) -> list[tuple[str, torch.Tensor]]:
+        """Every tensor of an HF folder's ``*.safetensors`` files, checked to replace the whole model; model untouched.
+
+        Raises EngineError naming the problem: no such folder, no safetensors, unknown names or shapes, or
+        parameters the folder does not cover.
+        """
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        path = Path(folder)
+        if not path.is_dir():
+            raise EngineError(f"model_path {folder} is not a folder; give an HF model folder (config.json and "
+                              "*.safetensors)")
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise EngineError(f"model_path {folder} holds no *.safetensors file (sluice loads safetensors only, "
+                              "never pickled .bin weights)")
+        tensors: dict[str, torch.Tensor] = {}
+        for f in files:
+            try:
+                part = load_file(str(f))
+            except (SafetensorError, OSError) as exc:
+                raise EngineError(f"cannot read {f.name} in {folder}: {exc}") from exc
+            twice = sorted(set(part) & set(tensors))
+            if twice:
+                raise EngineError(f"tensors {twice[:5]} appear in more than one safetensors file of {folder}")
+            tensors.update(part)
+        names = list(tensors)
+        try:
+            dtypes = [dtype_name(t.dtype) for t in tensors.values()]
+        except SyncError as exc:
+            raise EngineError(f"{folder}: {exc}") from exc
+        self.check(names, dtypes, [list(t.shape) for t in tensors.values()])
+        self.check_complete(names)
+        return list(tensors.items())
