@@ -188,11 +188,33 @@ def cmd_replay(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
+    if args.heldout:
+        return _eval_heldout(args)
     from pipeline.consumers.evaluator import run_eval
 
     report = run_eval(run_dir=args.run_dir, redis_url=args.redis, run=args.run, group=args.group,
                       start=args.start, until_idle_s=args.until_idle, reset=args.reset)
     _print(args, asdict(report), lambda _: print(report.format_table()))
+    return 0
+
+
+def _eval_heldout(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from pipeline.consumers.heldout import evaluate_run, read_heldout
+    from pipeline.launch import CONFIG_FILE, load_run_config
+    from pipeline.report import format_heldout
+
+    if not args.run_dir:
+        raise SluiceError("--heldout evaluates a run folder's weight snapshots; give --run-dir DIR")
+    run_dir = Path(args.run_dir)
+    if not (run_dir / CONFIG_FILE).is_file():
+        raise SluiceError(f"{run_dir} has no {CONFIG_FILE}: not the folder of a `sluice run`")
+    new = evaluate_run(run_dir, load_run_config(run_dir))
+    metrics = run_dir / "eval" / "metrics.jsonl"
+    _print(args, {"evaluated": new, "all": list(read_heldout(metrics).values())},
+           lambda _: print(f"evaluated {len(new)} new version(s) {[d['version'] for d in new]}\n"
+                           + format_heldout(metrics)))
     return 0
 
 
@@ -266,6 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--until-idle", type=float, default=None, metavar="SECONDS",
                    help="exit after this long without new entries (default: run until interrupted)")
     p.add_argument("--reset", action="store_true", help="drop the group and its counters and start over")
+    p.add_argument("--heldout", action="store_true",
+                   help="generate on the held-out split with every weight snapshot not yet evaluated, then exit")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("engine", help="rollout engines").add_subparsers(dest="engine_cmd", required=True)

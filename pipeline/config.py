@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pipeline.consumers.evaluator import EvaluatorConfig
+from pipeline.consumers.heldout import HeldoutConfig
 from pipeline.consumers.staleness import StalenessConfig
 from pipeline.consumers.train_config import TrainStepConfig
 from pipeline.errors import ConfigError
@@ -133,6 +134,8 @@ class EvalConfig(EvaluatorConfig):
 
     enabled: bool = True
     """Run an evaluator beside the trainer."""
+    heldout: HeldoutConfig = HeldoutConfig()
+    """Held-out evaluation by generation on weight snapshots (off by default)."""
 
 
 class SluiceConfig(_Strict):
@@ -180,9 +183,26 @@ class SluiceConfig(_Strict):
         elif self.trainer.batch_groups % dp:
             problems.append(f"trainer.batch_groups={self.trainer.batch_groups} must be a multiple of the "
                             f"data-parallel size {dp}, so every rank gets the same number of groups")
+        problems += self._heldout_problems()
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+    def _heldout_problems(self) -> list[str]:
+        held = self.eval.heldout
+        if not held.enabled:
+            return []
+        problems = []
+        if not self.prompts.has_heldout:
+            problems.append("eval.heldout.enabled = true needs a held-out split: set prompts.heldout (prompts set "
+                            "aside, never trained on) or prompts.heldout_path (a separate file)")
+        if held.engine_url is None and self.engine.type == "sglang":
+            problems.append("eval.heldout with engine.type = 'sglang' needs eval.heldout.engine_url: an SGLang server "
+                            "of its own (the rollout engines are never used for evaluation)")
+        if held.engine_url is not None and held.engine_url in [u.rstrip("/") for u in self.engine.urls]:
+            problems.append(f"eval.heldout.engine_url {held.engine_url} is one of engine.urls; loading snapshots into "
+                            "a rollout engine would change the weights the run samples from; give it its own server")
+        return problems
 
 
 def _parse_value(raw: str) -> Any:

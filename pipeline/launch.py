@@ -27,7 +27,7 @@ from pipeline.errors import EngineError, SluiceError
 from pipeline.queue.archive import Archiver
 from pipeline.queue.redis_server import free_port
 from pipeline.queue.rundir import RunHandle, open_run
-from pipeline.report import format_curve, learning_curve
+from pipeline.report import format_curve, format_heldout, learning_curve
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +189,7 @@ def run(cfg: SluiceConfig) -> int:
                              MASTER_ADDR="127.0.0.1", MASTER_PORT=master_port)
             sup.add(Child(f"trainer-{rank}", [*base, "trainer", str(run_dir)], env,
                           run_dir / "logs" / f"trainer-{rank}.log", restartable=False))
-        if cfg.eval.enabled:
+        if cfg.eval.enabled or (cfg.eval.heldout.enabled and cfg.eval.heldout.live):
             sup.add(Child("evaluator", [*base, "evaluator", str(run_dir)], _child_env(),
                           run_dir / "logs" / "evaluator.log"))
         if cfg.queue.archive.enabled:
@@ -212,6 +212,9 @@ def run(cfg: SluiceConfig) -> int:
                 last_report = now
             time.sleep(0.5)
         print(format_curve(learning_curve(run_dir / "metrics" / "trainer.jsonl")))
+        if cfg.eval.heldout.enabled and cfg.eval.heldout.live:
+            _wait_for_heldout(sup, run_dir, cfg.eval.heldout.final_wait_s)
+            print(format_heldout(run_dir / "eval" / "metrics.jsonl"))
         print(f"run folder: {run_dir}  (sluice queue audit --run-dir {run_dir})")
         return 0
     finally:
@@ -220,6 +223,20 @@ def run(cfg: SluiceConfig) -> int:
         if archiver_thread is not None:
             archiver_thread.join(timeout=60)
         handle.close(stop_server=True)
+
+
+def _wait_for_heldout(sup: Supervisor, run_dir: Path, timeout_s: float) -> None:
+    """Keep the evaluator supervised until it has evaluated the final snapshot, or ``timeout_s`` passed."""
+    from pipeline.consumers.heldout import caught_up
+
+    deadline = time.monotonic() + timeout_s
+    while not caught_up(run_dir):
+        if time.monotonic() > deadline:
+            log.warning("the final snapshot was not evaluated within %.0fs (eval.heldout.final_wait_s); run "
+                        "`sluice eval --run-dir %s --heldout` to evaluate it", timeout_s, run_dir)
+            return
+        sup.poll()
+        time.sleep(0.5)
 
 
 def _progress(run_dir: Path) -> None:

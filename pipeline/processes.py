@@ -83,14 +83,13 @@ def trainer_main(run_dir: Path) -> None:
 
 
 def evaluator_main(run_dir: Path) -> None:
-    """The evaluator consumer of the run, until SIGTERM."""
-    from pipeline.consumers.evaluator import EvaluatorConfig, run_eval
+    """The evaluator consumers of the run (stream aggregates, held-out generation), until SIGTERM."""
+    from pipeline.consumers.heldout import serve_evaluators
 
     cfg = load_run_config(run_dir)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    fields = cfg.eval.model_dump(exclude={"enabled"})
-    run_eval(run_dir=run_dir, config=EvaluatorConfig(**fields), stop=stop)
+    serve_evaluators(run_dir, cfg, stop)
 
 
 ROLES = {"producer": producer_main, "trainer": trainer_main, "evaluator": evaluator_main}

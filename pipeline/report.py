@@ -1,4 +1,5 @@
-"""The end-of-run summary ``sluice run`` prints: the learning curve from the trainer's metrics, in the terminal."""
+"""The end-of-run summary ``sluice run`` prints: the learning curve from the trainer's metrics, then the held-out
+pass rates per evaluated version, in the terminal."""
 
 from __future__ import annotations
 
@@ -34,3 +35,26 @@ def format_curve(curve: list[tuple[int, int, float]]) -> str:
     for first, last, r in curve:
         lines.append(f"  steps {first:4d}-{last:<4d} {r:6.3f} {'#' * round(BAR * r / top)}")
     return "\n".join(lines)
+
+
+def format_heldout(metrics_path: Path) -> str:
+    """Held-out pass rates per evaluated version (the ``"kind": "heldout"`` lines of ``eval/metrics.jsonl``)."""
+    from pipeline.consumers.heldout import read_heldout
+
+    rows = read_heldout(metrics_path)
+    if not rows:
+        return "no held-out evaluation yet"
+    ks = sorted({int(k) for d in rows.values() for k in d.get("pass_at_k", {})})
+    head = f"  {'version':>8} {'greedy@1':>9} {'sampled@1':>10} " + "".join(f"{f'pass@{k}':>8} " for k in ks)
+    lines = ["held-out pass rate per policy version (greedy, and sampled at the producer's temperature)",
+             head + f"{'reward':>7} {'prompts':>8} {'seconds':>8}"]
+    for v, d in rows.items():
+        at = d.get("pass_at_k", {})
+        lines.append(f"  {v:>8} {_num(d.get('greedy_pass1')):>9} {_num(d.get('sampled_pass1')):>10} "
+                     + "".join(f"{_num(at.get(str(k))):>8} " for k in ks)
+                     + f"{_num(d.get('reward_mean')):>7} {d.get('prompts', 0):>8} {d.get('seconds', 0):>8.1f}")
+    return "\n".join(lines)
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"

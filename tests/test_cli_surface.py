@@ -14,7 +14,8 @@ SURFACE = {
                            "--max-new-tokens", "--no-capture-reference", "--num-experts", "--rounds", "--temperature",
                            "--topk"]),
     "engine serve": (["model_dir", "engine_args"], []),
-    "eval": ([], ["--group", "--json", "--redis", "--reset", "--run", "--run-dir", "--start", "--until-idle"]),
+    "eval": ([], ["--group", "--heldout", "--json", "--redis", "--reset", "--run", "--run-dir", "--start",
+                  "--until-idle"]),
     "model init-tiny": ([], ["--arch", "--out", "--seed", "--set"]),
     "queue audit": ([], ["--json", "--redis", "--run", "--run-dir", "--samples"]),
     "queue export": ([], ["--json", "--range", "--redis", "--run", "--run-dir", "--to"]),
@@ -22,6 +23,7 @@ SURFACE = {
     "queue tail": ([], ["--count", "--follow", "--json", "--redis", "--run", "--run-dir"]),
     "replay": (["recipe"], ["--from", "--range", "--run-dir", "--set", "--steps"]),
     "run": (["recipe"], ["--dry-run", "--run-dir", "--set", "--steps"]),
+    "sft": (["recipe"], ["--run-dir", "--set"]),
 }
 
 

@@ -37,7 +37,9 @@ version touched, holding that version's cumulative summary as Redis has it. The 
 current figure; a crash can lose at most the lines of one commit, never a count. The in-memory summary
 (:attr:`Evaluator.aggregate`) is refreshed from the hash the same way.
 
-Future work: evaluation by generation (held-out prompts sent through an engine at each new policy version).
+Evaluation by generation (held-out prompts sent through an engine every K policy versions) is
+``pipeline.consumers.heldout``; its lines share the metrics file, with ``"kind": "heldout"`` (these have
+``"kind": "eval"``).
 """
 
 from __future__ import annotations
@@ -127,10 +129,15 @@ def group_version_max(samples: Sequence[Sample]) -> int:
 
 def sample_passed(sample: Sample, threshold: float) -> bool:
     """``reward_info["pass"]`` when it is a bool or a number; otherwise whether the reward is above ``threshold``."""
-    verdict = sample.reward_info.get("pass")
+    return reward_passed(sample.reward, sample.reward_info, threshold)
+
+
+def reward_passed(reward: float, info: Mapping[str, Any], threshold: float) -> bool:
+    """The pass rule of :func:`sample_passed` on a bare reward and its info (the held-out evaluator's samples)."""
+    verdict = info.get("pass")
     if isinstance(verdict, (bool, int, float)) and not (isinstance(verdict, float) and math.isnan(verdict)):
         return bool(verdict)
-    return sample.reward > threshold
+    return reward > threshold
 
 
 @dataclass

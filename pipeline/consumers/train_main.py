@@ -13,6 +13,7 @@ import torch
 from pipeline.config import SluiceConfig
 from pipeline.consumers.drain import Drainer
 from pipeline.consumers.ledger import Ledger
+from pipeline.consumers.snapshots import SnapshotWriter
 from pipeline.consumers.trainer import RedisClock, Trainer, TrainerSettings
 from pipeline.errors import ConfigError
 from pipeline.sync.base import WeightUpdateEngine
@@ -61,7 +62,7 @@ def run_trainer(run_dir: Path, cfg: SluiceConfig, model_dir: Path,
     model_cfg, model, optimizer, step = build_rank(cfg, model_dir)
     rank = dist.get_rank()
     loop = asyncio.new_event_loop()
-    source = clock = ledger = pusher = None
+    source = clock = ledger = pusher = snapshots = None
     if rank == 0:
         from pipeline.queue.rundir import open_run
 
@@ -72,6 +73,8 @@ def run_trainer(run_dir: Path, cfg: SluiceConfig, model_dir: Path,
         clock = RedisClock(handle.queue)
         if engines:
             pusher = loop.run_until_complete(_connect_pusher(cfg, engines))
+        if cfg.eval.heldout.enabled:
+            snapshots = SnapshotWriter.for_run(run_dir, model_dir, cfg.eval.heldout, clock.get())
 
     def export() -> Iterator[tuple[str, torch.Tensor]]:
         # Clone: the tensors are views of live parameters, and the next optimizer step must not race the push.
@@ -83,11 +86,14 @@ def run_trainer(run_dir: Path, cfg: SluiceConfig, model_dir: Path,
                                keep_checkpoints=cfg.trainer.keep_checkpoints, run_dir=run_dir)
     trainer = Trainer(settings, model=model, optimizer=optimizer, step_fn=step, export_weights=export,
                       source=source, clock=clock, ledger=ledger, pusher=pusher, loop=loop,
-                      dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size())
+                      dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
+                      snapshots=snapshots)
     try:
         trainer.train()
     finally:
         trainer.close()
+        if snapshots is not None:
+            snapshots.close()  # the final snapshot must be on disk before the launcher sees this rank finish
 
 
 async def _connect_pusher(cfg: SluiceConfig, engines: Sequence[WeightUpdateEngine]) -> Any:

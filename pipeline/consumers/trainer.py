@@ -134,6 +134,7 @@ class Trainer:
         loop: asyncio.AbstractEventLoop | None = None,
         dp_rank: int = 0,
         dp_size: int = 1,
+        snapshots: Any | None = None,
     ) -> None:
         self.s = settings
         self.model, self.optimizer, self.step_fn = model, optimizer, step_fn
@@ -142,6 +143,7 @@ class Trainer:
         self.source, self.clock, self.ledger, self.pusher = source, clock, ledger, pusher
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.snapshots = snapshots  # a SnapshotWriter on rank 0 when held-out evaluation is on
         self.ckpt_root = settings.run_dir / "checkpoints"
         self.metrics_path = settings.run_dir / "metrics" / "trainer.jsonl"
         self.step = 0
@@ -239,6 +241,8 @@ class Trainer:
             self._loop.run_until_complete(self.pusher.push(weights, self.version + 1))
         # Only after every engine confirmed the new weights does the version advance.
         self.version = self.clock.advance()
+        if self.snapshots is not None:
+            self.snapshots.maybe_write(self.version, weights, final=self.step >= self.s.steps or self._stop)
         self.clock.event("weight_push", version=self.version, step=self.step,
                          seconds=round(time.perf_counter() - start, 4),
                          engines=0 if self.pusher is None else len(self.pusher.engines))

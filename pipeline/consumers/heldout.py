@@ -1,0 +1,559 @@
+"""The held-out evaluator: it generates on the held-out prompt split with the trainer's weight snapshots and reports
+pass@k per policy version.
+
+What is measured
+----------------
+For every snapshot it evaluates (``RUN_DIR/snapshots/v{version:08d}``, see ``pipeline.consumers.snapshots``), each
+held-out prompt gets one greedy response (temperature 0) and ``samples`` sampled ones (the producer's temperature,
+top-p/top-k and ``max_new_tokens`` unless ``[eval.heldout]`` says otherwise). Responses are scored by the run's
+reward function; a response passes by the stream evaluator's rule (``reward_info["pass"]``, else reward above
+``eval.pass_threshold``). Per version: greedy pass@1, sampled pass@1 (the mean over all samples), pass@k for each
+configured k with the unbiased estimator ``1 - C(n-c, k) / C(n, k)`` averaged over prompts (n samples, c of them
+passing), mean reward (sampled and greedy), prompt and sample counts, and the seconds taken. One JSON line per
+evaluated version goes to ``RUN_DIR/eval/metrics.jsonl``, with ``"kind": "heldout"``, beside the stream
+aggregator's ``"kind": "eval"`` lines. A version that already has a line is never evaluated again, so a restarted
+evaluator adds no duplicate.
+
+Generation is a real engine's, never a second sampler: by default the evaluator starts a private CPU engine process
+(the rollout engines are never used, so evaluation cannot perturb the run's samples) and loads each snapshot into
+it with SGLang's ``/update_weights_from_disk``, checking that every response carries the snapshot's version. With
+``eval.heldout.engine_url`` the same calls go to that server (an SGLang server on GPU, which must see the run folder
+at the same path). Prompt ``i``'s samples are seeded ``seed + i * samples + j``, so figures repeat run to run.
+
+Never slowing the trainer
+-------------------------
+The evaluator is its own process at a lowered CPU priority (``os.nice``, inherited by its engine), its engine uses
+one torch thread, and when it falls behind it jumps to the newest snapshot, marking (and logging) the ones it skipped
+so the snapshot writer may prune them. ``sluice eval --run-dir DIR --heldout`` on a finished run evaluates every
+snapshot present that has no line yet, skipped ones included.
+
+This consumer drives an engine and scores with the run's reward, so it uses the producers' public pieces (engine
+client, prompt split, reward) the way the launcher's processes do; nothing here is imported by the trainer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from pipeline.consumers.evaluator import default_metrics_path, reward_passed
+from pipeline.consumers.snapshots import SNAPSHOTS_DIR, is_done, list_snapshots, mark_done, snapshot_name
+from pipeline.errors import ConfigError, EngineError
+
+if TYPE_CHECKING:
+    from pipeline.config import SluiceConfig
+    from pipeline.producers.base import GenerateResult
+    from pipeline.producers.prompts import Prompt
+    from pipeline.producers.rewards import RewardFn
+    from pipeline.sync.base import EngineReply
+
+log = logging.getLogger(__name__)
+
+KIND = "heldout"
+
+
+class HeldoutConfig(BaseModel):
+    """Held-out evaluation by generation (``[eval.heldout]``): which versions, how many samples, which engine."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = False
+    """Write weight snapshots and evaluate them on the held-out split (needs prompts.heldout or heldout_path)."""
+    live: bool = True
+    """Evaluate while the run goes, in the evaluator process; false only writes snapshots (`sluice eval --heldout`)."""
+    every_versions: int = Field(20, ge=1, le=1_000_000)
+    """Snapshot and evaluate every this many policy versions; version 0 and the run's last one always."""
+    samples: int = Field(4, ge=1, le=1024)
+    """Sampled responses per prompt (the n of pass@k), besides the one greedy response."""
+    pass_k: list[int] = Field(default_factory=lambda: [1, 4], min_length=1, max_length=32)
+    """The k of the reported pass@k figures, each between 1 and samples."""
+    temperature: float | None = Field(None, gt=0.0, le=10.0)
+    """Temperature of the sampled responses; None = producer.sampling.temperature (greedy is always evaluated too)."""
+    max_new_tokens: int | None = Field(None, ge=1, le=1_000_000)
+    """Longest response; None = producer.sampling.max_new_tokens."""
+    max_prompts: int | None = Field(None, ge=1, le=10_000_000)
+    """Evaluate only the first this many held-out prompts; None = the whole split."""
+    seed: int = Field(0, ge=0)
+    """Base sampling seed: sample j of held-out prompt i uses seed + i * samples + j."""
+    keep_snapshots: int = Field(3, ge=1, le=100_000)
+    """Snapshots kept on disk; older ones are removed once evaluated or skipped (see pipeline.consumers.snapshots)."""
+    engine_url: str | None = None
+    """An SGLang-protocol server used for evaluation only (required with engine.type = 'sglang'); None = a private
+    CPU engine the evaluator starts."""
+    max_batch: int = Field(32, ge=1, le=4096)
+    """Sequences the private CPU engine decodes together."""
+    concurrency: int = Field(16, ge=1, le=4096)
+    """Held-out prompts in flight at once (each one greedy and one sampled request)."""
+    poll_s: float = Field(2.0, gt=0, le=3600)
+    """How often a live evaluator looks for a new snapshot."""
+    nice: int = Field(10, ge=0, le=19)
+    """CPU priority drop (os.nice) of the evaluator process and its engine, so that they yield to the trainer."""
+    final_wait_s: float = Field(600.0, ge=0, le=86_400)
+    """How long `sluice run` waits after the last step for the final snapshot to be evaluated."""
+    startup_timeout_s: float = Field(120.0, gt=0, le=3600)
+    """How long to wait for the private engine's /health."""
+
+    @field_validator("pass_k")
+    @classmethod
+    def _sorted_unique(cls, ks: list[int]) -> list[int]:
+        if any(k < 1 for k in ks):
+            raise ConfigError(f"eval.heldout.pass_k={ks}: every k must be >= 1")
+        return sorted(set(ks))
+
+    @field_validator("engine_url")
+    @classmethod
+    def _check_url(cls, url: str | None) -> str | None:
+        if url is not None and not url.startswith(("http://", "https://")):
+            raise ConfigError(f"eval.heldout.engine_url={url!r} must be an http:// or https:// base URL")
+        return None if url is None else url.rstrip("/")
+
+    @model_validator(mode="after")
+    def _k_within_samples(self) -> HeldoutConfig:
+        too_big = [k for k in self.pass_k if k > self.samples]
+        if too_big:
+            raise ConfigError(f"eval.heldout.pass_k has k={too_big} above eval.heldout.samples={self.samples}: "
+                              "pass@k needs at least k samples per prompt; raise samples or lower pass_k")
+        return self
+
+
+# ------------------------------------------------------------------------------------------------ pure figures
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one prompt with ``c`` of ``n`` samples passing: ``1 - C(n-c, k) / C(n, k)``.
+
+    The chance that k samples drawn without replacement from the n include a pass (Chen et al., 2021). Exact
+    integer binomials, so no cancellation for large n.
+    """
+    if not 1 <= k <= n or not 0 <= c <= n:
+        raise ValueError(f"pass@k needs 1 <= k <= n and 0 <= c <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0  # every draw of k holds a pass
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+@dataclass
+class PromptOutcome:
+    """What one held-out prompt got at one version."""
+
+    prompt_id: str
+    greedy_passed: bool
+    greedy_reward: float
+    passed: list[bool]
+    rewards: list[float]
+    reward_failures: int = 0
+    truncated: int = 0
+    response_tokens: int = 0
+
+
+def summarize(outcomes: Sequence[PromptOutcome], ks: Sequence[int]) -> dict[str, Any]:
+    """The per-version figures of the module docstring (JSON-ready)."""
+    if not outcomes:
+        raise ValueError("no held-out prompt was evaluated")
+    samples = [p for o in outcomes for p in o.passed]
+    rewards = [r for o in outcomes for r in o.rewards]
+    responses = len(outcomes) + len(samples)  # one greedy per prompt, plus the sampled ones
+    return {
+        "prompts": len(outcomes),
+        "samples": len(samples),
+        "greedy_pass1": sum(o.greedy_passed for o in outcomes) / len(outcomes),
+        "sampled_pass1": sum(samples) / len(samples) if samples else None,
+        "pass_at_k": {str(k): sum(pass_at_k(len(o.passed), sum(o.passed), k) for o in outcomes) / len(outcomes)
+                      for k in ks},
+        "reward_mean": sum(rewards) / len(rewards) if rewards else None,
+        "greedy_reward_mean": sum(o.greedy_reward for o in outcomes) / len(outcomes),
+        "reward_failures": sum(o.reward_failures for o in outcomes),
+        "truncated": sum(o.truncated for o in outcomes),
+        "response_len_mean": sum(o.response_tokens for o in outcomes) / responses,
+    }
+
+
+def plan_live(present: Sequence[tuple[int, Path]], evaluated: set[int],
+              marked: set[int]) -> tuple[tuple[int, Path] | None, list[tuple[int, Path]]]:
+    """(snapshot to evaluate now, snapshots to skip): the newest one not yet done, and the others not yet done.
+
+    ``evaluated`` are versions with a metrics line, ``marked`` those with a mark (evaluated or skipped before).
+    """
+    todo = [(v, p) for v, p in present if v not in evaluated and v not in marked]
+    if not todo:
+        return None, []
+    return todo[-1], todo[:-1]
+
+
+# ------------------------------------------------------------------------------------------------ metrics file
+def append_line(path: Path, line: Mapping[str, Any]) -> None:
+    """Append one JSON line in a single O_APPEND write (the stream aggregator appends to the same file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (json.dumps(line) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def read_heldout(path: str | Path) -> dict[int, dict[str, Any]]:
+    """The held-out lines of a metrics file by version (the last line of a version wins)."""
+    out: dict[int, dict[str, Any]] = {}
+    p = Path(path)
+    if not p.is_file():
+        return out
+    for n, raw in enumerate(p.read_text().splitlines()):
+        if f'"{KIND}"' not in raw:
+            continue
+        try:
+            d = json.loads(raw)
+        except json.JSONDecodeError:
+            log.warning("%s:%d is not a complete JSON line (a write cut short?); ignored", p, n + 1)
+            continue
+        if isinstance(d, dict) and d.get("kind") == KIND and isinstance(d.get("version"), int):
+            out[d["version"]] = d
+    return dict(sorted(out.items()))
+
+
+def caught_up(run_dir: str | Path) -> bool:
+    """Whether the newest snapshot of a run has its held-out line (True when there is no snapshot)."""
+    present = list_snapshots(Path(run_dir) / SNAPSHOTS_DIR)
+    return not present or present[-1][0] in read_heldout(default_metrics_path(run_dir))
+
+
+# --------------------------------------------------------------------------------------------------- the evaluator
+@dataclass(frozen=True)
+class HeldoutSettings:
+    """The resolved sampling and scoring of a held-out evaluation (the recipe's defaults filled in)."""
+
+    samples: int
+    pass_k: tuple[int, ...]
+    temperature: float
+    max_new_tokens: int
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int = 0
+    pass_threshold: float = 0.0
+    reward_timeout_s: float = 30.0
+    concurrency: int = 16
+
+    @classmethod
+    def from_config(cls, cfg: SluiceConfig) -> HeldoutSettings:
+        h, sp = cfg.eval.heldout, cfg.producer.sampling
+        return cls(samples=h.samples, pass_k=tuple(h.pass_k),
+                   temperature=sp.temperature if h.temperature is None else h.temperature,
+                   max_new_tokens=sp.max_new_tokens if h.max_new_tokens is None else h.max_new_tokens,
+                   top_p=sp.top_p, top_k=sp.top_k, stop_token_ids=tuple(sp.stop_token_ids), seed=h.seed,
+                   pass_threshold=cfg.eval.pass_threshold, reward_timeout_s=cfg.producer.reward_timeout_s,
+                   concurrency=h.concurrency)
+
+
+class HeldoutEngine(Protocol):
+    """What the evaluator needs from an engine (``SGLangClient`` has it)."""
+
+    async def generate_many(self, prompts: Sequence[Sequence[int]], sampling_params: Mapping[str, Any], *,
+                            return_logprob: bool = True) -> list[GenerateResult]: ...
+
+    async def update_weights_from_disk(self, model_path: str, *, weight_version: str | int | None = None,
+                                       abort_all_requests: bool = False) -> EngineReply: ...
+
+
+class HeldoutEvaluator:
+    """Evaluates snapshots on the held-out prompts through one engine and appends their lines (module docstring)."""
+
+    def __init__(self, settings: HeldoutSettings, *, engine: HeldoutEngine, prompts: Sequence[Prompt],
+                 tokenize: Callable[[str], Sequence[int]], reward_fn: RewardFn, metrics_path: str | Path,
+                 run: str = "") -> None:
+        if not prompts:
+            raise ConfigError("the held-out split is empty; set prompts.heldout or prompts.heldout_path")
+        self.s = settings
+        self.engine = engine
+        self.prompts = list(prompts)
+        self.prompt_ids = [list(p.input_ids) if p.input_ids is not None else [int(t) for t in tokenize(p.text or "")]
+                           for p in self.prompts]
+        empty = [p.prompt_id for p, ids in zip(self.prompts, self.prompt_ids) if not ids]
+        if empty:
+            raise ConfigError(f"held-out prompts {empty[:5]} tokenize to nothing; give them some text")
+        self.reward_fn = reward_fn
+        self.metrics_path = Path(metrics_path)
+        self.run = run
+
+    def evaluated(self) -> set[int]:
+        """Versions that have a held-out line already."""
+        return set(read_heldout(self.metrics_path))
+
+    async def evaluate(self, version: int, folder: str | Path, *, source: str = "snapshot",
+                       extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Load ``folder`` into the engine as ``version``, generate, score, append and return the version's line."""
+        start = time.perf_counter()
+        path = Path(folder).resolve()
+        reply = await self.engine.update_weights_from_disk(str(path), weight_version=str(version),
+                                                           abort_all_requests=True)
+        if not reply.success:
+            raise EngineError(f"the evaluation engine could not load {path}: {reply.message}")
+        gate = asyncio.Semaphore(self.s.concurrency)
+        outcomes = await asyncio.gather(*(self._prompt(i, version, gate) for i in range(len(self.prompts))))
+        line: dict[str, Any] = {"kind": KIND, "time": time.time(), "run": self.run, "version": version,
+                                "source": source, "snapshot": path.name, **summarize(outcomes, self.s.pass_k),
+                                "samples_per_prompt": self.s.samples, "temperature": self.s.temperature,
+                                "max_new_tokens": self.s.max_new_tokens, **(extra or {}),
+                                "seconds": round(time.perf_counter() - start, 3)}
+        append_line(self.metrics_path, line)
+        log.info("held-out v%d: greedy pass@1 %.3f, sampled pass@1 %.3f, %s (%d prompts, %.1fs)", version,
+                 line["greedy_pass1"], line["sampled_pass1"] or 0.0, line["pass_at_k"], line["prompts"],
+                 line["seconds"])
+        return line
+
+    async def _prompt(self, i: int, version: int, gate: asyncio.Semaphore) -> PromptOutcome:
+        from pipeline.producers.rewards import score
+
+        s, ids, prompt = self.s, self.prompt_ids[i], self.prompts[i]
+        common: dict[str, Any] = {"max_new_tokens": s.max_new_tokens}
+        if s.stop_token_ids:
+            common["stop_token_ids"] = list(s.stop_token_ids)
+        greedy_params = {**common, "temperature": 0.0, "n": 1}
+        sampled_params = {**common, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+                          "n": s.samples, "sampling_seed": s.seed + i * s.samples}
+        async with gate:
+            greedy, sampled = await asyncio.gather(
+                self.engine.generate_many([ids], greedy_params, return_logprob=False),
+                self.engine.generate_many([ids], sampled_params, return_logprob=False))
+        results = [*greedy, *sampled]
+        wrong = {r.weight_version for r in results} - {str(version)}
+        if wrong:
+            raise EngineError(f"held-out responses for v{version} came from weight version(s) {sorted(wrong)}: "
+                              "something else loads weights into the evaluation engine; give the evaluator an "
+                              "engine of its own (eval.heldout.engine_url)")
+        scored = await asyncio.gather(*(score(self.reward_fn, prompt, r.text, s.reward_timeout_s) for r in results))
+        verdicts = [not o.failed and reward_passed(o.reward, o.info, s.pass_threshold) for o in scored]
+        return PromptOutcome(
+            prompt_id=prompt.prompt_id, greedy_passed=verdicts[0], greedy_reward=scored[0].reward,
+            passed=verdicts[1:], rewards=[o.reward for o in scored[1:]],
+            reward_failures=sum(o.failed for o in scored), truncated=sum(r.finish_reason == "length" for r in results),
+            response_tokens=sum(len(r.output_ids) for r in results))
+
+    async def evaluate_pending(self, root: str | Path) -> list[dict[str, Any]]:
+        """Evaluate every snapshot under ``root`` without a line yet, oldest first (a finished run)."""
+        done = self.evaluated()
+        lines = []
+        for version, folder in list_snapshots(root):
+            if version not in done:
+                lines.append(await self.evaluate(version, folder))
+                mark_done(folder, "evaluated")
+        return lines
+
+    async def run_live(self, root: str | Path, stop: threading.Event, poll_s: float = 2.0) -> None:
+        """Evaluate new snapshots as they appear, newest first when behind, until ``stop`` is set."""
+        while not stop.is_set():
+            present = list_snapshots(root)
+            evaluated = self.evaluated()
+            for version, folder in present:
+                if version in evaluated and not is_done(folder):
+                    mark_done(folder, "evaluated")  # the line was written but the evaluator died before the mark
+            target, skipped = plan_live(present, evaluated, {v for v, p in present if is_done(p)})
+            for _, folder in skipped:
+                mark_done(folder, "skipped")
+            if skipped:
+                log.warning("held-out evaluation is behind: skipping %s to evaluate %s",
+                            [snapshot_name(v) for v, _ in skipped], snapshot_name(target[0]))  # type: ignore[index]
+            if target is None:
+                await asyncio.to_thread(stop.wait, poll_s)
+                continue
+            version, folder = target
+            task = asyncio.ensure_future(self.evaluate(version, folder))
+            while not task.done():
+                await asyncio.wait({task}, timeout=0.5)
+                if stop.is_set() and not task.done():
+                    task.cancel()  # shutting down: this version stays unevaluated and is taken up after a restart
+            if task.cancelled():
+                return
+            try:
+                task.result()
+            except EngineError:
+                if folder.exists():
+                    raise
+                log.warning("snapshot %s was removed while being evaluated; moving on", folder.name)
+                continue
+            mark_done(folder, "evaluated")
+
+
+# ------------------------------------------------------------------------------------------ engine and wiring
+@dataclass
+class PrivateEngine:
+    """A CPU engine process of the evaluator's own, stopped by its PID."""
+
+    proc: subprocess.Popen[bytes]
+    url: str
+    log_path: Path
+    _log: Any = field(repr=False, default=None)
+
+    @classmethod
+    def start(cls, model_dir: Path, log_path: Path, *, dtype: str = "float32", max_batch: int = 32,
+              seed: int = 0, timeout_s: float = 120.0) -> PrivateEngine:
+        import httpx
+
+        from pipeline.queue.redis_server import free_port
+
+        port = free_port()
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        out = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
+        cmd = [sys.executable, "-m", "pipeline.producers.cpu_engine", str(model_dir), "--host", "127.0.0.1",
+               "--port", str(port), "--dtype", dtype, "--max-batch", str(max_batch), "--num-threads", "1",
+               "--seed", str(seed), "--log-level", "warning"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                preexec_fn=_die_with_parent)
+        engine = cls(proc, f"http://127.0.0.1:{port}", log_path, out)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                if proc.poll() is not None:
+                    raise EngineError(f"the evaluation engine exited with code {proc.returncode}; see {log_path}")
+                try:
+                    if httpx.get(f"{engine.url}/health", timeout=2.0).status_code == 200:
+                        return engine
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise EngineError(f"the evaluation engine did not answer /health within {timeout_s:.0f}s "
+                                      f"(eval.heldout.startup_timeout_s); see {log_path}")
+                time.sleep(0.2)
+        except BaseException:
+            engine.stop()
+            raise
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._log is not None:
+            self._log.close()
+
+
+def _die_with_parent() -> None:
+    # If the evaluator is killed outright (kill -9), its engine must not outlive it: Linux's PR_SET_PDEATHSIG.
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+
+
+def _model_dir(run_dir: Path, cfg: SluiceConfig) -> Path:
+    """The folder the private engine starts from: the run's model, else its first snapshot (both HF folders)."""
+    model = Path(cfg.model.path) if cfg.model.path is not None else run_dir / "model"
+    if (model / "config.json").is_file():
+        return model
+    present = list_snapshots(run_dir / SNAPSHOTS_DIR)
+    if present:
+        return present[0][1]
+    raise ConfigError(f"no model to evaluate with: {model} has no config.json and {run_dir / SNAPSHOTS_DIR} "
+                      "holds no snapshot")
+
+
+@asynccontextmanager
+async def open_heldout(run_dir: str | Path, cfg: SluiceConfig) -> AsyncIterator[HeldoutEvaluator]:
+    """A held-out evaluator of the run, with its engine (a private CPU engine unless ``eval.heldout.engine_url``)."""
+    from pipeline.producers.producer import load_tokenize
+    from pipeline.producers.prompts import setup_heldout
+    from pipeline.producers.rewards import resolve_reward
+    from pipeline.producers.sglang_client import SGLangClient
+
+    run_dir = Path(run_dir)
+    h = cfg.eval.heldout
+    held = setup_heldout(cfg.prompts)
+    prompts = [held[i] for i in range(min(len(held), h.max_prompts or len(held)))]
+    model_dir = _model_dir(run_dir, cfg)
+    reward_fn = resolve_reward(cfg.producer.reward)
+    private = None
+    url = h.engine_url
+    if url is None:
+        private = await asyncio.to_thread(PrivateEngine.start, model_dir, run_dir / "logs" / "heldout-engine.log",
+                                          dtype=cfg.engine.dtype, max_batch=h.max_batch, seed=cfg.run.seed,
+                                          timeout_s=h.startup_timeout_s)
+        url = private.url
+    client = SGLangClient(url)
+    try:
+        yield HeldoutEvaluator(HeldoutSettings.from_config(cfg), engine=client, prompts=prompts,
+                               tokenize=load_tokenize(model_dir), reward_fn=reward_fn,
+                               metrics_path=default_metrics_path(run_dir), run=cfg.run.name)
+    finally:
+        await client.close()
+        if private is not None:
+            private.stop()
+
+
+def lower_priority(nice: int) -> None:
+    """Yield the CPU to the trainer: a higher nice value for this process and every child it starts from now on."""
+    if nice > 0:
+        os.nice(nice)
+
+
+def evaluate_run(run_dir: str | Path, cfg: SluiceConfig) -> list[dict[str, Any]]:
+    """``sluice eval --run-dir DIR --heldout``: evaluate every snapshot without a held-out line, then return."""
+    run_dir = Path(run_dir)
+    root = run_dir / SNAPSHOTS_DIR
+    if not list_snapshots(root):
+        raise ConfigError(f"{root} holds no weight snapshot; a run writes them with eval.heldout.enabled = true")
+    lower_priority(cfg.eval.heldout.nice)
+
+    async def main() -> list[dict[str, Any]]:
+        async with open_heldout(run_dir, cfg) as evaluator:
+            return await evaluator.evaluate_pending(root)
+
+    return asyncio.run(main())
+
+
+def serve_evaluators(run_dir: str | Path, cfg: SluiceConfig, stop: threading.Event) -> None:
+    """The launcher's evaluator process: the stream aggregator in a thread, live held-out evaluation here.
+
+    Either one failing stops the other and raises, so the process exits non-zero and the launcher restarts it.
+    """
+    from pipeline.consumers.evaluator import EvaluatorConfig, run_eval
+
+    run_dir = Path(run_dir)
+    h = cfg.eval.heldout
+    live = h.enabled and h.live
+    if live:
+        lower_priority(h.nice)
+    errors: list[BaseException] = []
+
+    def stream() -> None:
+        try:
+            fields = cfg.eval.model_dump(exclude={"enabled", "heldout"})
+            run_eval(run_dir=run_dir, config=EvaluatorConfig(**fields), stop=stop)
+        except BaseException as exc:  # handed to the main thread, which raises it
+            errors.append(exc)
+            stop.set()
+
+    thread = threading.Thread(target=stream, name="stream-eval", daemon=True) if cfg.eval.enabled else None
+    if thread is not None:
+        thread.start()
+    try:
+        if live:
+            async def main() -> None:
+                async with open_heldout(run_dir, cfg) as evaluator:
+                    await evaluator.run_live(run_dir / SNAPSHOTS_DIR, stop, h.poll_s)
+
+            asyncio.run(main())
+        else:
+            while not stop.wait(0.5):
+                pass
+    finally:
+        stop.set()
+        if thread is not None:
+            thread.join(timeout=60)
+    if errors:
+        raise errors[0]
