@@ -188,7 +188,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    if args.heldout:
+    if args.heldout or args.checkpoints:
         return _eval_heldout(args)
     from pipeline.consumers.evaluator import run_eval
 
@@ -210,7 +210,7 @@ def _eval_heldout(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     if not (run_dir / CONFIG_FILE).is_file():
         raise SluiceError(f"{run_dir} has no {CONFIG_FILE}: not the folder of a `sluice run`")
-    new = evaluate_run(run_dir, load_run_config(run_dir))
+    new = evaluate_run(run_dir, load_run_config(run_dir), checkpoints=args.checkpoints)
     metrics = run_dir / "eval" / "metrics.jsonl"
     _print(args, {"evaluated": new, "all": list(read_heldout(metrics).values())},
            lambda _: print(f"evaluated {len(new)} new version(s) {[d['version'] for d in new]}\n"
@@ -290,6 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reset", action="store_true", help="drop the group and its counters and start over")
     p.add_argument("--heldout", action="store_true",
                    help="generate on the held-out split with every weight snapshot not yet evaluated, then exit")
+    p.add_argument("--checkpoints", action="store_true",
+                   help="with --heldout: also evaluate the run's Megatron checkpoints (converted to HF here)")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("engine", help="rollout engines").add_subparsers(dest="engine_cmd", required=True)

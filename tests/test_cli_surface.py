@@ -14,7 +14,7 @@ SURFACE = {
                            "--max-new-tokens", "--no-capture-reference", "--num-experts", "--rounds", "--temperature",
                            "--topk"]),
     "engine serve": (["model_dir", "engine_args"], []),
-    "eval": ([], ["--group", "--heldout", "--json", "--redis", "--reset", "--run", "--run-dir", "--start",
+    "eval": ([], ["--checkpoints", "--group", "--heldout", "--json", "--redis", "--reset", "--run", "--run-dir", "--start",
                   "--until-idle"]),
     "model init-tiny": ([], ["--arch", "--out", "--seed", "--set"]),
     "queue audit": ([], ["--json", "--redis", "--run", "--run-dir", "--samples"]),

@@ -436,10 +436,71 @@ def test_sluice_eval_heldout_on_a_finished_run(two_snapshots: dict[str, Any], mo
     assert r.returncode == 2 and "holds no weight snapshot" in r.stderr
 
 
+def test_sluice_eval_heldout_converts_and_evaluates_checkpoints(model_dir: Path, tmp_path: Path) -> None:
+    pytest.importorskip("megatron.core")
+    from pipeline.consumers.megatron.checkpoint import save_checkpoint
+    from pipeline.consumers.megatron.config import ModelConfig, ParallelConfig
+    from pipeline.consumers.megatron.convert import load_hf_into_megatron
+    from pipeline.consumers.megatron.model import build_gpt_model, forward_logits, init_parallel
+
+    model_cfg = ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+    init_parallel(ParallelConfig())
+    mg = build_gpt_model(model_cfg, ParallelConfig(), r3=True).eval()
+    load_hf_into_megatron(mg, model_dir, model_cfg)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(5)
+        for p in mg.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    opt = torch.optim.AdamW(mg.parameters(), lr=1e-3)  # the trainer's checkpoints hold optimizer state too
+    run_dir = tmp_path / "run"
+    save_checkpoint(run_dir / "checkpoints" / "step-00000003", mg, opt, meta={"step": 3, "policy_version": 3})
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    tokenize = load_tokenize(model_dir)
+
+    def megatron_greedy(ids: list[int]) -> str:  # the trainer's own forward, not the HF conversion
+        seq, out = list(ids), []
+        for _ in range(MAX_NEW):
+            with torch.no_grad():
+                t = int(forward_logits(mg, torch.tensor([seq]), torch.ones(1, len(seq), dtype=torch.long))[0, -1]
+                        .argmax())
+            out.append(t)
+            seq.append(t)
+            if t == tokenizer.eos_token_id:
+                break
+        return str(tokenizer.decode(out, skip_special_tokens=True))
+
+    answers = [megatron_greedy(list(tokenize(t))).split("\n", 1)[0].strip() for t in PROMPT_TEXTS]
+    held = tmp_path / "heldout.jsonl"
+    held.write_text("".join(json.dumps({"id": f"h{i}", "prompt": t, "answer": a}) + "\n"
+                            for i, (t, a) in enumerate(zip(PROMPT_TEXTS, answers))))
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    base_pass = sum(hf_greedy_text(base, tokenizer, list(tokenize(t)), MAX_NEW).split("\n", 1)[0].strip() == a
+                    for t, a in zip(PROMPT_TEXTS, answers)) / len(answers)
+    assert base_pass < 1.0  # the starting weights do not already give these answers
+    cfg = load_config(None, [f"model.path={json.dumps(str(model_dir))}", "prompts.type=jsonl",
+                             f"prompts.path={json.dumps(str(held))}", f"prompts.heldout_path={json.dumps(str(held))}",
+                             "eval.heldout.samples=1", "eval.heldout.pass_k=[1]",
+                             f"eval.heldout.max_new_tokens={MAX_NEW}"])
+    (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(mode="json")))
+
+    r = _sluice("eval", "--run-dir", str(run_dir), "--heldout")
+    assert r.returncode == 2 and "--checkpoints" in r.stderr  # no snapshot: it says how to use the checkpoints
+    r = _sluice("eval", "--run-dir", str(run_dir), "--heldout", "--checkpoints", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    [line] = json.loads(r.stdout)["evaluated"]
+    assert (line["version"], line["source"], line["step"]) == (3, "checkpoint", 3)
+    assert line["greedy_pass1"] == 1.0  # the checkpoint's weights answer exactly as the trainer's model does
+    assert not (run_dir / "eval" / "checkpoint-hf" / "v00000003").exists()  # the converted copy is gone
+    r = _sluice("eval", "--run-dir", str(run_dir), "--heldout", "--checkpoints", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["evaluated"] == []
+
+
 @pytest.mark.slow
 def test_sluice_run_evaluates_held_out_snapshots_to_the_end(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     r = _sluice("run", "recipes/cpu-moe.toml", "--run-dir", str(run_dir), "--steps", "5",
+                "--set", "prompts.task=addition", "--set", "prompts.digits=2", "--set", "prompts.size=256",
                 "--set", "prompts.heldout=12", "--set", "eval.heldout.enabled=true",
                 "--set", "eval.heldout.every_versions=2", "--set", "eval.heldout.samples=2",
                 "--set", "eval.heldout.pass_k=[1, 2]", "--set", "eval.heldout.poll_s=0.2",

@@ -25,7 +25,9 @@ Never slowing the trainer
 The evaluator is its own process at a lowered CPU priority (``os.nice``, inherited by its engine), its engine uses
 one torch thread, and when it falls behind it jumps to the newest snapshot, marking (and logging) the ones it skipped
 so the snapshot writer may prune them. ``sluice eval --run-dir DIR --heldout`` on a finished run evaluates every
-snapshot present that has no line yet, skipped ones included.
+snapshot present that has no line yet, skipped ones included; with ``--checkpoints`` it also converts the run's
+Megatron checkpoints whose policy version has no line (``megatron_to_hf_state_dict``, one model built once, in this
+process) and evaluates them, each line then saying ``"source": "checkpoint"`` and its ``step``.
 
 This consumer drives an engine and scores with the run's reward, so it uses the producers' public pieces (engine
 client, prompt split, reward) the way the launcher's processes do; nothing here is imported by the trainer.
@@ -351,6 +353,29 @@ class HeldoutEvaluator:
                 mark_done(folder, "evaluated")
         return lines
 
+    async def evaluate_checkpoints(self, run_dir: str | Path, exporter: CheckpointExporter) -> list[dict[str, Any]]:
+        """Evaluate each Megatron checkpoint of the run whose policy version has no line yet, oldest first."""
+        import shutil
+
+        from pipeline.consumers.megatron.checkpoint import read_checkpoint_meta
+
+        done = self.evaluated()
+        lines = []
+        for ckpt in run_checkpoints(run_dir):
+            meta = read_checkpoint_meta(ckpt)
+            version = int(meta["policy_version"])
+            if version in done:
+                continue
+            out = Path(run_dir) / "eval" / "checkpoint-hf" / snapshot_name(version)
+            exporter.export(ckpt, out)
+            try:
+                lines.append(await self.evaluate(version, out, source="checkpoint",
+                                                 extra={"step": int(meta["step"]), "checkpoint": ckpt.name}))
+            finally:
+                shutil.rmtree(out, ignore_errors=True)  # a converted copy: the checkpoint itself stays the record
+            done.add(version)
+        return lines
+
     async def run_live(self, root: str | Path, stop: threading.Event, poll_s: float = 2.0) -> None:
         """Evaluate new snapshots as they appear, newest first when behind, until ``stop`` is set."""
         while not stop.is_set():
@@ -387,6 +412,52 @@ class HeldoutEvaluator:
 
 
 # ------------------------------------------------------------------------------------------ engine and wiring
+def run_checkpoints(run_dir: str | Path) -> list[Path]:
+    """The run's complete Megatron checkpoints (``checkpoints/step-N``), oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    return sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
+
+
+class CheckpointExporter:
+    """Turns a run's Megatron checkpoints into HF folders, in this process (world size 1, any saved layout).
+
+    The model is built once, with the trainer's architecture and router-replay setting, and each checkpoint's
+    weights are loaded into it (resharded from the trainer's TP/EP layout by megatron's dist-checkpointing).
+    """
+
+    def __init__(self, cfg: SluiceConfig, model_dir: Path) -> None:
+        self.cfg, self.model_dir = cfg, model_dir
+        self._model: Any = None
+        self._model_cfg: Any = None
+
+    def export(self, checkpoint: Path, out: Path) -> None:
+        from pipeline.consumers.megatron.checkpoint import load_checkpoint
+        from pipeline.consumers.train_main import export_hf_model
+
+        if self._model is None:
+            self._build()
+        load_checkpoint(checkpoint, self._model, None)
+        export_hf_model(self._model, self._model_cfg, self.model_dir, out)
+
+    def _build(self) -> None:
+        import torch
+
+        from pipeline.consumers.megatron.config import ModelConfig, ParallelConfig
+        from pipeline.consumers.megatron.model import build_gpt_model, init_parallel
+
+        torch.set_num_threads(1)
+        self._model_cfg = ModelConfig.from_hf(json.loads((self.model_dir / "config.json").read_text()))
+        init_parallel(ParallelConfig(), seed=self.cfg.run.seed)
+        self._model = build_gpt_model(self._model_cfg, ParallelConfig(), r3=self.cfg.trainer.r3)
+
+    def close(self) -> None:
+        if self._model is not None:
+            from pipeline.consumers.megatron.model import shutdown_parallel
+
+            shutdown_parallel()
+            self._model = None
+
+
 @dataclass
 class PrivateEngine:
     """A CPU engine process of the evaluator's own, stopped by its PID."""
@@ -501,17 +572,27 @@ def lower_priority(nice: int) -> None:
         os.nice(nice)
 
 
-def evaluate_run(run_dir: str | Path, cfg: SluiceConfig) -> list[dict[str, Any]]:
-    """``sluice eval --run-dir DIR --heldout``: evaluate every snapshot without a held-out line, then return."""
+def evaluate_run(run_dir: str | Path, cfg: SluiceConfig, *, checkpoints: bool = False) -> list[dict[str, Any]]:
+    """``sluice eval --run-dir DIR --heldout [--checkpoints]``: evaluate every snapshot (and, with ``checkpoints``,
+    every Megatron checkpoint) whose version has no held-out line, then return the new lines."""
     run_dir = Path(run_dir)
     root = run_dir / SNAPSHOTS_DIR
-    if not list_snapshots(root):
-        raise ConfigError(f"{root} holds no weight snapshot; a run writes them with eval.heldout.enabled = true")
+    if not list_snapshots(root) and not (checkpoints and run_checkpoints(run_dir)):
+        raise ConfigError(f"{root} holds no weight snapshot (a run writes them with eval.heldout.enabled = true)"
+                          + ("" if checkpoints else "; add --checkpoints to evaluate the run's checkpoints")
+                          + ("; and the run has no checkpoint" if checkpoints else ""))
     lower_priority(cfg.eval.heldout.nice)
 
     async def main() -> list[dict[str, Any]]:
         async with open_heldout(run_dir, cfg) as evaluator:
-            return await evaluator.evaluate_pending(root)
+            lines = await evaluator.evaluate_pending(root)
+            if checkpoints:
+                exporter = CheckpointExporter(cfg, _model_dir(run_dir, cfg))
+                try:
+                    lines += await evaluator.evaluate_checkpoints(run_dir, exporter)
+                finally:
+                    exporter.close()
+            return lines
 
     return asyncio.run(main())
 
