@@ -391,6 +391,31 @@ def test_live_evaluator_jumps_to_the_newest_snapshot(engine: Any, two_snapshots:
     assert marks == {0: "skipped", 5: "skipped", 10: "evaluated", 15: "evaluated"}
 
 
+def test_private_engine_dies_with_a_killed_evaluator(model_dir: Path, tmp_path: Path) -> None:
+    import signal
+
+    import psutil
+
+    code = ("import sys, time; from pathlib import Path; from pipeline.consumers.heldout import PrivateEngine; "
+            "e = PrivateEngine.start(Path(sys.argv[1]), Path(sys.argv[2])); print(e.proc.pid, flush=True); "
+            "time.sleep(600)")
+    evaluator = subprocess.Popen([sys.executable, "-c", code, str(model_dir), str(tmp_path / "engine.log")],
+                                 stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    engine = None
+    try:
+        engine = psutil.Process(int(evaluator.stdout.readline()))  # type: ignore[union-attr]
+        assert engine.is_running()
+        evaluator.send_signal(signal.SIGKILL)  # no cleanup code runs in the evaluator
+        evaluator.wait(10)
+        engine.wait(30)  # raises TimeoutExpired if the engine outlived it
+    finally:
+        if evaluator.poll() is None:
+            evaluator.kill()
+            evaluator.wait()
+        if engine is not None and engine.is_running():
+            engine.kill()  # the engine this test's evaluator started, left behind: the failure case
+
+
 # --------------------------------------------------------------------------------------------------- the CLI
 def _sluice(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True,

@@ -93,7 +93,7 @@ class HeldoutConfig(BaseModel):
     seed: int = Field(0, ge=0)
     """Base sampling seed: sample j of held-out prompt i uses seed + i * samples + j."""
     keep_snapshots: int = Field(3, ge=1, le=100_000)
-    """Snapshots kept on disk; older ones are removed once evaluated or skipped (see pipeline.consumers.snapshots)."""
+    """Snapshots kept on disk; older ones go once evaluated or skipped (with live = false, regardless)."""
     engine_url: str | None = None
     """An SGLang-protocol server used for evaluation only (required with engine.type = 'sglang'); None = a private
     CPU engine the evaluator starts."""
@@ -515,7 +515,8 @@ class PrivateEngine:
 
 
 def _die_with_parent() -> None:
-    # If the evaluator is killed outright (kill -9), its engine must not outlive it: Linux's PR_SET_PDEATHSIG.
+    # If the evaluator is killed outright (kill -9), its engine must not outlive it: Linux's PR_SET_PDEATHSIG. It
+    # fires when the thread that started the engine ends, so start it from a thread that lives as long.
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -551,9 +552,9 @@ async def open_heldout(run_dir: str | Path, cfg: SluiceConfig) -> AsyncIterator[
     private = None
     url = h.engine_url
     if url is None:
-        private = await asyncio.to_thread(PrivateEngine.start, model_dir, run_dir / "logs" / "heldout-engine.log",
-                                          dtype=cfg.engine.dtype, max_batch=h.max_batch, seed=cfg.run.seed,
-                                          timeout_s=h.startup_timeout_s)
+        # Started from this (the loop's) thread, not a worker: PR_SET_PDEATHSIG fires when the creating thread ends.
+        private = PrivateEngine.start(model_dir, run_dir / "logs" / "heldout-engine.log", dtype=cfg.engine.dtype,
+                                      max_batch=h.max_batch, seed=cfg.run.seed, timeout_s=h.startup_timeout_s)
         url = private.url
     client = SGLangClient(url)
     try:

@@ -14,7 +14,8 @@ one ``stat`` per snapshot. So a stalled or dead evaluator makes snapshots pile u
 versions; switch the protection off (``eval.heldout.live = false``) to bound the disk instead.
 
 The tensors are written in a background thread so the trainer does not wait for the disk; at most one write is in
-flight (the next ``maybe_write`` waits for it), which bounds the extra memory to one copy of the weights.
+flight (the next ``maybe_write`` waits for it), which bounds the extra memory to one copy of the weights. On GPU that
+copy is the push's clones, held on the device until the thread has moved them to the host and written them.
 """
 
 from __future__ import annotations
