@@ -177,11 +177,28 @@ def cmd_replay(args: argparse.Namespace) -> int:
     id_range = parse_range(args.range)
     model_dir = model_folder(cfg)
     if not (model_dir / "config.json").exists():
+        hint = ("--set model.path=RUN_DIR/warmstart/model --set warmstart.enabled=false" if cfg.warmstart.enabled
+                else "--set model.path=RUN_DIR/model")
         print(f"sluice: error: no model at {model_dir}; set model.path to the run's starting model "
-              "(e.g. --set model.path=RUN_DIR/model)", file=sys.stderr)
+              f"(e.g. {hint})", file=sys.stderr)
         return 2
     model_out = run_replay(cfg, model_dir, Path(args.source), id_range, Path(cfg.run.run_dir))
     print(json.dumps({"model": str(model_out), "metrics": str(Path(cfg.run.run_dir) / "metrics" / "trainer.jsonl")}))
+    return 0
+
+
+def cmd_sft(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    cfg = _load(args)
+    from pipeline.consumers.sft import run_warmstart
+    from pipeline.consumers.sft_config import format_summary, warmstart_model_dir
+    from pipeline.launch import ensure_base_model
+
+    run_dir = Path(cfg.run.run_dir)
+    summary = run_warmstart(cfg, run_dir, ensure_base_model(cfg))
+    print(format_summary(summary))
+    print(f"model: {warmstart_model_dir(run_dir)}  (metrics: {run_dir / 'metrics' / 'warmstart.jsonl'})")
     return 0
 
 
@@ -280,6 +297,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", help="output folder for checkpoints, ledger and metrics (overrides run.run_dir)")
     p.add_argument("--steps", type=int, help="most trainer steps (overrides trainer.steps)")
     p.set_defaults(func=cmd_replay)
+
+    p = sub.add_parser("sft", help="only the recipe's [warmstart]: supervised training into RUN_DIR/warmstart "
+                       "(always from the base model; a later `sluice run` with warmstart.enabled reuses it)")
+    p.add_argument("recipe", help="a recipe TOML: model, prompts and [warmstart] settings")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a recipe field (repeatable)")
+    p.add_argument("--run-dir", help="run folder (overrides run.run_dir)")
+    p.set_defaults(func=cmd_sft)
 
     p = sub.add_parser("eval", help="attach an evaluator consumer to a live or finished run")
     _add_run_args(p)

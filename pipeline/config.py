@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from pipeline.consumers.evaluator import EvaluatorConfig
 from pipeline.consumers.heldout import HeldoutConfig
+from pipeline.consumers.sft_config import WarmStartConfig
 from pipeline.consumers.staleness import StalenessConfig
 from pipeline.consumers.train_config import TrainStepConfig
 from pipeline.errors import ConfigError
@@ -163,6 +164,8 @@ class SluiceConfig(_Strict):
     """The sample queue."""
     eval: EvalConfig = EvalConfig()
     """Evaluation consumer."""
+    warmstart: WarmStartConfig = WarmStartConfig()
+    """Supervised warm start (SFT) before RL; `sluice sft` runs it alone."""
 
     @model_validator(mode="after")
     def _cross_checks(self) -> SluiceConfig:
@@ -184,6 +187,10 @@ class SluiceConfig(_Strict):
             problems.append(f"trainer.batch_groups={self.trainer.batch_groups} must be a multiple of the "
                             f"data-parallel size {dp}, so every rank gets the same number of groups")
         problems += self._heldout_problems()
+        if self.warmstart.enabled and self.engine.type == "sglang":
+            problems.append("warmstart.enabled with engine.type = 'sglang': SGLang servers serve the weights they were "
+                            "started with, not the warm-started ones; run `sluice sft` first, start SGLang on "
+                            "RUN_DIR/warmstart/model, and set model.path to it with warmstart.enabled = false")
         if problems:
             raise ValueError("; ".join(problems))
         return self

@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 
 from pipeline.config import SluiceConfig
+from pipeline.consumers.sft_config import format_summary, read_done, warmstart_dir, warmstart_model_dir
 from pipeline.errors import EngineError, SluiceError
 from pipeline.queue.archive import Archiver
 from pipeline.queue.redis_server import free_port
@@ -36,26 +37,75 @@ MAX_RESTARTS = 5
 
 
 def prepare_run(cfg: SluiceConfig) -> tuple[RunHandle, Path]:
-    """Create the run folder, start (or reuse) its Redis, write the resolved config, and make sure a model exists."""
+    """Create the run folder, start (or reuse) its Redis, write the resolved config, and make sure a model exists.
+
+    Returns the folder engines and trainer start from (``model_folder``). With ``warmstart.enabled`` that is the
+    warm start's output, which exists only once ``warm_start`` has run.
+    """
     run_dir = Path(cfg.run.run_dir)
     handle = open_run(run_dir=run_dir, redis_url=cfg.queue.redis_url, run=cfg.run.name, create=True,
                       appendfsync=cfg.queue.appendfsync, capacity=cfg.queue.capacity)
-    model_dir = model_folder(cfg)
+    ensure_base_model(cfg)
+    (run_dir / CONFIG_FILE).write_text(json.dumps(cfg.model_dump(mode="json"), indent=1))
+    for name in ("trainer", *(["archive"] if cfg.queue.archive.enabled else []),
+                 *([cfg.eval.group] if cfg.eval.enabled else [])):
+        handle.queue.create_group(name, "0")
+    return handle, model_folder(cfg)
+
+
+def ensure_base_model(cfg: SluiceConfig) -> Path:
+    """The base model folder; with model.path unset, the tiny model is written into the run folder first."""
+    model_dir = base_model_folder(cfg)
     if not (model_dir / "config.json").exists():
         if cfg.model.path is not None:
             raise SluiceError(f"model.path {model_dir} has no config.json; point it at an HF model folder")
         from pipeline.models.tiny import init_tiny_model
 
         init_tiny_model(cfg.model.init_tiny, model_dir, seed=cfg.model.init_seed, **cfg.model.init_overrides)
-    (run_dir / CONFIG_FILE).write_text(json.dumps(cfg.model_dump(mode="json"), indent=1))
-    for name in ("trainer", *(["archive"] if cfg.queue.archive.enabled else []),
-                 *([cfg.eval.group] if cfg.eval.enabled else [])):
-        handle.queue.create_group(name, "0")
-    return handle, model_dir
+    return model_dir
+
+
+def base_model_folder(cfg: SluiceConfig) -> Path:
+    """The HF model a run starts from before any warm start: model.path, else the tiny model in the run folder."""
+    return Path(cfg.model.path) if cfg.model.path is not None else Path(cfg.run.run_dir) / "model"
 
 
 def model_folder(cfg: SluiceConfig) -> Path:
-    return Path(cfg.model.path) if cfg.model.path is not None else Path(cfg.run.run_dir) / "model"
+    """The HF model engines, producers' tokenizer and trainer (and its KL reference) start from: the warm-started
+    one when warmstart.enabled, else the base model."""
+    if cfg.warmstart.enabled:
+        return warmstart_model_dir(Path(cfg.run.run_dir))
+    return base_model_folder(cfg)
+
+
+def warm_start(cfg: SluiceConfig, run_dir: Path, sup: Supervisor) -> None:
+    """Run the recipe's warm start as a child process (its time counts in the run's), unless one has finished.
+
+    Returns once the child has written its done marker, which it writes last: the child's own exit (interpreter
+    teardown, a few seconds) then overlaps the engines' start-up. The child reads RUN_DIR/config.json, so
+    ``prepare_run`` must have written it.
+    """
+    done = read_done(run_dir)
+    if done is not None:
+        if done.get("config") != cfg.warmstart.model_dump(mode="json"):
+            log.warning("[warmstart] changed since the warm start in %s ran; keeping the finished one (delete that "
+                        "folder to train it again)", warmstart_dir(run_dir))
+        print(f"warm start skipped, already done ({format_summary(done)})", flush=True)
+        return
+    child = Child("warmstart", [sys.executable, "-m", "pipeline.processes", "sft", str(run_dir)], _child_env(),
+                  run_dir / "logs" / "warmstart.log", restartable=False)
+    print(f"warm start: {cfg.warmstart.steps} steps of SFT (log: {child.log_path})", flush=True)
+    sup.add(child)
+    assert child.proc is not None
+    while (done := read_done(run_dir)) is None:
+        code = child.proc.poll()
+        if code is not None:
+            # Read once more: the marker may have landed between the two checks.
+            if (done := read_done(run_dir)) is not None:
+                break
+            raise SluiceError(f"the warm start failed (exit code {code}); see {child.log_path}")
+        time.sleep(0.2)
+    print(format_summary(done), flush=True)
 
 
 def load_run_config(run_dir: Path) -> SluiceConfig:
@@ -177,6 +227,8 @@ def run(cfg: SluiceConfig) -> int:
     stop = threading.Event()
     archiver_thread = None
     try:
+        if cfg.warmstart.enabled:
+            warm_start(cfg, run_dir, sup)
         urls = start_engines(cfg, sup, model_dir, run_dir)
         (run_dir / "engines.json").write_text(json.dumps(urls))
         base = [sys.executable, "-m", "pipeline.processes"]

@@ -16,7 +16,7 @@ import sys
 import threading
 from pathlib import Path
 
-from pipeline.launch import load_run_config, model_folder
+from pipeline.launch import base_model_folder, load_run_config, model_folder
 
 log = logging.getLogger("sluice")
 
@@ -92,7 +92,15 @@ def evaluator_main(run_dir: Path) -> None:
     serve_evaluators(run_dir, cfg, stop)
 
 
-ROLES = {"producer": producer_main, "trainer": trainer_main, "evaluator": evaluator_main}
+def sft_main(run_dir: Path) -> None:
+    """The run's warm start (SFT of the base model into RUN_DIR/warmstart), then exit; the launcher waits for it."""
+    from pipeline.consumers.sft import run_warmstart
+
+    cfg = load_run_config(run_dir)
+    run_warmstart(cfg, run_dir, base_model_folder(cfg))
+
+
+ROLES = {"producer": producer_main, "trainer": trainer_main, "evaluator": evaluator_main, "sft": sft_main}
 
 
 def main(argv: list[str] | None = None) -> int:

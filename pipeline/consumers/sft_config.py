@@ -1,0 +1,87 @@
+"""The ``[warmstart]`` section and the warm start's on-disk layout, apart from ``sft.py`` so that loading a recipe
+(or asking whether a warm start is finished) imports no torch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pipeline.consumers.schedule import LRScheduleConfig
+
+WARMSTART_DIR = "warmstart"
+DONE_FILE = "done.json"
+METRICS_FILE = "warmstart.jsonl"
+
+
+class WarmStartConfig(BaseModel):
+    """Supervised fine-tuning (SFT) before RL, through the trainer's megatron-core model and checkpoint format."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = False
+    """Run the warm start before RL in ``sluice run`` (once: a finished one is skipped on a rerun)."""
+    steps: int = Field(default=300, ge=1, le=10_000_000)
+    """Optimizer steps of supervised training."""
+    batch_size: int = Field(default=64, ge=1, le=1 << 20)
+    """(prompt, answer) pairs per optimizer step, drawn without replacement within an epoch."""
+    micro_batch_size: int | None = Field(default=None, ge=1, le=1 << 20)
+    """Most pairs in one forward/backward (gradients accumulate up to batch_size); None = the whole batch at once."""
+    lr: float = Field(default=1e-5, gt=0.0, le=1.0)
+    """Peak AdamW learning rate (the schedule scales it per step)."""
+    schedule: LRScheduleConfig = Field(default_factory=LRScheduleConfig)
+    """Warm-up and decay of the learning rate over the warm start's steps."""
+    weight_decay: float = Field(default=0.0, ge=0.0, le=1.0)
+    """AdamW decoupled weight decay."""
+    adam_beta1: float = Field(default=0.9, ge=0.0, lt=1.0)
+    """AdamW first-moment decay."""
+    adam_beta2: float = Field(default=0.999, ge=0.0, lt=1.0)
+    """AdamW second-moment decay."""
+    grad_clip: float | None = Field(default=1.0, gt=0.0, le=1e6)
+    """Clip the gradient norm to this; None = no clipping."""
+    path: Path | None = None
+    """A JSONL file of {"prompt", "answer"} records; None = the training split of [prompts] (never the held-out)."""
+    seed: int = Field(default=0, ge=0)
+    """Seed of the batch order."""
+    log_every: int = Field(default=10, ge=1, le=1_000_000)
+    """Write one metrics line (means over the window) every this many steps."""
+    eval_prompts: int = Field(default=256, ge=0, le=1_000_000)
+    """Prompts of the held-out split (else of the training data) on which the exported model's greedy exact match
+    is measured at the end; 0 = skip the measurement."""
+
+
+def warmstart_dir(run_dir: Path) -> Path:
+    """Where a run's warm start writes its checkpoint, HF model and done marker."""
+    return Path(run_dir) / WARMSTART_DIR
+
+
+def warmstart_model_dir(run_dir: Path) -> Path:
+    """The warm-started HF model folder (with tokenizer) that engines and trainer start from."""
+    return warmstart_dir(run_dir) / "model"
+
+
+def warmstart_metrics_path(run_dir: Path) -> Path:
+    """The warm start's metrics, one JSON line per ``log_every`` steps."""
+    return Path(run_dir) / "metrics" / METRICS_FILE
+
+
+def read_done(run_dir: Path) -> dict[str, Any] | None:
+    """The summary a finished warm start left in its done marker, or None if it has not finished."""
+    path = warmstart_dir(run_dir) / DONE_FILE
+    if not path.exists():
+        return None
+    return dict(json.loads(path.read_text()))
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """One human line for a warm start's summary."""
+    line = (f"warm start: {summary['steps']} steps in {summary['seconds']:.1f} s "
+            f"({summary['steps_per_s']:.1f} steps/s), final loss {summary['final_loss']:.4f}, "
+            f"token accuracy {summary['final_token_accuracy']:.3f}")
+    ev = summary.get("eval")
+    if ev:
+        line += (f"; greedy exact match {ev['exact_match']:.3f} on {ev['prompts']} {ev['split']} prompts "
+                 f"(stopped with EOS: {ev['stop_rate']:.3f})")
+    return line
