@@ -32,6 +32,11 @@ def test_shipped_recipes_validate(recipe: Path) -> None:
         (["staleness.max_lag=2", "staleness.action=train", "staleness.train_max_lag=1"], "train_max_lag"),
         (["prompts.type=chess"], "prompts.type"),
         (["run.name=has space"], "run.name"),
+        (["warmstart.steps=0"], "warmstart.steps: Input should be greater than or equal to 1"),
+        (["warmstart.lr=2"], "warmstart.lr: Input should be less than or equal to 1"),
+        (["warmstart.batch_sise=8"], "warmstart.batch_sise: Extra inputs are not permitted"),
+        (["warmstart.schedule.decay=square"], "warmstart.schedule.decay"),
+        (["warmstart.enabled=true", "engine.type=sglang", 'engine.urls=["http://x:1"]'], "SGLang servers serve"),
     ],
 )
 def test_bad_recipes_are_refused_with_the_field_named(overrides: list[str], match: str) -> None:

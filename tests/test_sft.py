@@ -105,17 +105,6 @@ def test_the_default_data_is_the_training_split_and_a_jsonl_with_heldout_prompts
     assert [(p.text, p.answer) for p in got] == [("zz", "7")]
 
 
-@pytest.mark.parametrize(("override", "match"), [
-    ("warmstart.steps=0", "warmstart.steps"),
-    ("warmstart.lr=2", "warmstart.lr"),
-    ("warmstart.batch_sise=8", "warmstart.batch_sise: Extra inputs"),
-    ("warmstart.schedule.decay=square", "warmstart.schedule.decay"),
-])
-def test_a_bad_warmstart_field_is_refused_at_load(override: str, match: str) -> None:
-    with pytest.raises(ConfigError, match=match):
-        load_config(None, [override])
-
-
 # ---------------------------------------------------------------------------------------------- the real thing
 @pytest.fixture(scope="module")
 def warm(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
