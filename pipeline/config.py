@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pipeline.consumers.evaluator import EvaluatorConfig
+from pipeline.consumers.filters import FilterConfig
 from pipeline.consumers.heldout import HeldoutConfig
 from pipeline.consumers.sft_config import WarmStartConfig
 from pipeline.consumers.staleness import StalenessConfig
@@ -156,6 +157,8 @@ class SluiceConfig(_Strict):
     """Prompt source."""
     staleness: StalenessConfig = StalenessConfig()
     """Staleness policy (also paces producers)."""
+    filters: FilterConfig = FilterConfig()
+    """Group filters: drop zero-reward-variance groups (DAPO dynamic sampling) or user-named ones."""
     trainer: TrainerConfig = TrainerConfig()
     """The trainer."""
     sync: SyncConfig = SyncConfig()
@@ -180,6 +183,9 @@ class SluiceConfig(_Strict):
         if self.producer.sampling.temperature == 0:
             problems.append("producer.sampling.temperature = 0 is greedy: every sample of a group is the same and "
                             "GRPO learns nothing; use a temperature > 0")
+        if self.filters.zero_variance and self.producer.group_size == 1:
+            problems.append("filters.zero_variance with producer.group_size = 1 drops every group (one reward has no "
+                            "variance) and the trainer would wait forever; raise group_size or turn the filter off")
         dp = self.trainer.world_size // max(self.trainer.tp, 1)
         if self.trainer.world_size % self.trainer.tp:
             problems.append(f"trainer.world_size={self.trainer.world_size} is not divisible by tp={self.trainer.tp}")

@@ -10,6 +10,7 @@ from conftest import make_group
 from pipeline.consumers.drain import Drainer
 from pipeline.consumers.ledger import Ledger, LedgerLine, read_ledger
 from pipeline.consumers.staleness import StalenessConfig
+from pipeline.producers.prompts import PromptCursor
 from pipeline.queue.redis_streams import SampleQueue
 from pipeline.queue.sample import SampleStatus
 
@@ -33,17 +34,23 @@ def test_drain_applies_staleness_and_marks_invalid_samples(queue: SampleQueue, t
     assert queue.pending_ids("trainer") == ids  # nothing acked by draining
 
 
-def test_requeue_hands_the_prompt_back(queue: SampleQueue, tmp_path: Path) -> None:
+def test_requeue_hands_the_prompt_back_with_its_count_and_releases_the_slot(queue: SampleQueue,
+                                                                            tmp_path: Path) -> None:
     rng = np.random.default_rng(1)
     group = make_group(rng, 2, version=0)
+    # What a producer leaves for a queued group: its slot counted, and a record of its prompt index (requeued once).
+    queue.redis.set(queue.keys.groups_started, 1)
+    queue.redis.hset(queue.keys.group_slots, group[0].group_id, "7:1")
     queue.put(group)
-    d = Drainer(queue, Ledger(tmp_path / "l"), StalenessConfig(max_lag=0, action="requeue"), block_ms=10)
+    d = Drainer(queue, Ledger(tmp_path / "l"), StalenessConfig(max_lag=0, action="requeue", max_requeues=3),
+                block_ms=10)
     d.recover()
     batch = d.next_batch(1, step=0, version=lambda: 3, should_stop=lambda: bool(queue.redis.llen(
-        queue.keys.extra("prompt_requeue"))))
+        queue.keys.prompt_retry)))
     assert batch.groups == [] and all(line.fate == "stale" for line in batch.lines)
-    requeued = queue.redis.lrange(queue.keys.extra("prompt_requeue"), 0, -1)
-    assert [r.decode() for r in requeued] == [group[0].prompt_id]
+    assert PromptCursor(queue.redis, queue.run).retries() == [(7, 2)]
+    assert int(queue.redis.get(queue.keys.groups_started)) == 0 and not queue.redis.hlen(queue.keys.group_slots)
+    assert (batch.counts.groups_requeue, batch.slots.released, batch.slots.requeued) == (1, 1, 1)
 
 
 def test_ledger_commit_and_recovery_ack_only_committed_entries(queue: SampleQueue, tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from pipeline.consumers.staleness import may_admit
 from pipeline.errors import ConfigError
-from pipeline.producers.producer import _ADMIT
+from pipeline.producers.producer import _TAKE
 from pipeline.producers.prompts import (
     Prompt,
     PromptConfig,
@@ -113,12 +113,17 @@ def test_atomic_admission_matches_the_pure_rule(redis_url: str, version: int, ma
                                                 started: int) -> None:
     client = redis.Redis.from_url(redis_url, protocol=2)
     keys = RunKeys("admission-prop")
+    client.delete(keys.prompt_retry, keys.producer_inflight("p"))
     client.set(keys.policy_version, version)
-    client.set(keys.extra("groups_started"), started)
-    admit = client.register_script(_ADMIT)
-    got = int(admit(keys=[keys.policy_version, keys.extra("groups_started")], args=[max_lag, batch]))
-    assert (got >= 0) == may_admit(started, version, max_lag, batch)
-    assert int(client.get(keys.extra("groups_started"))) == started + (1 if got >= 0 else 0)
+    client.set(keys.groups_started, started)
+    take = client.register_script(_TAKE)
+    got = take(keys=[keys.policy_version, keys.groups_started, keys.prompt_retry, keys.prompt_cursor,
+                     keys.producer_inflight("p")], args=[1, max_lag, batch, "g"])
+    admitted = got != -1
+    assert admitted == may_admit(started, version, max_lag, batch)
+    assert int(client.get(keys.groups_started)) == started + int(admitted)
+    # An admitted group is recorded as in flight, in the same script, with the prompt it took.
+    assert client.hget(keys.producer_inflight("p"), "g") == (got[0] if admitted else None)
 
 
 def test_builtin_rewards() -> None:

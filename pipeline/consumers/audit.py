@@ -24,6 +24,7 @@ class TrainerAudit:
     trained: int
     stale: int
     invalid: int
+    filtered: int  # removed by a group filter (pipeline.consumers.filters)
     pending: int  # delivered to the trainer, not yet committed
     undelivered: int
     duplicates: int
@@ -57,7 +58,7 @@ def audit_trainer(queue: SampleQueue, run_dir: Path, group: str = "trainer") -> 
                 lost.append(sample.sample_id)
     return TrainerAudit(
         committed_step=step, produced=produced, trained=fates["trained"], stale=fates["stale"],
-        invalid=fates["invalid"], pending=pending, undelivered=undelivered,
+        invalid=fates["invalid"], filtered=fates["filtered"], pending=pending, undelivered=undelivered,
         duplicates=sum(1 for c in seen.values() if c > 1), lost=len(lost), lost_ids=lost[:20],
     )
 

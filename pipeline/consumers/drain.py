@@ -1,24 +1,33 @@
 """Draining the ``trainer`` group: recovery against the ledger, then batches of prompt groups under the staleness
-policy. Only the trainer's rank 0 talks to the queue; the other ranks get their share from it.
+policy and the group filters. Only the trainer's rank 0 talks to the queue; the other ranks get their share from it.
 
-Nothing is acked here. Every entry a batch consumed (trained, stale or invalid) stays pending until the checkpoint
-that holds its effect is committed; the trainer acks it then (ARCHITECTURE.md, "Exactly-once effect").
+Nothing is acked here. Every entry a batch consumed (trained, stale, invalid or filtered) stays pending until the
+checkpoint that holds its effect is committed; the trainer acks it then (ARCHITECTURE.md, "Exactly-once effect").
+
+Pacing slots are given back here, though, at drain time: a group that will not be trained (stale, invalid, filtered
+or requeued) releases the slot its producer took, so producers can start a replacement now rather than at the next
+commit (docs/queue.md, "Pacing slots"). The release deletes the group's slot record in the same script, which makes it
+idempotent: a restarted trainer that decides a pending entry again finds no record and releases nothing twice.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
+from pipeline.consumers.filters import FilterConfig, FilterCounts, GroupFilters
 from pipeline.consumers.ledger import Ledger, LedgerLine
 from pipeline.consumers.staleness import (
+    GroupDecision,
     GroupVersions,
     StalenessConfig,
     StalenessCounts,
     decide_group,
 )
 from pipeline.queue.base import QueueEntry
+from pipeline.queue.keys import parse_slot_item
 from pipeline.queue.redis_streams import SampleQueue
 from pipeline.queue.sample import Sample, SampleStatus
 
@@ -27,6 +36,94 @@ log = logging.getLogger(__name__)
 #: Outcomes a sample can carry and still be trained on.
 TRAINABLE = (SampleStatus.COMPLETED, SampleStatus.TRUNCATED)
 
+# Give back the pacing slots of groups that will not be trained; for a requeued one, put its prompt back where
+# producers take it first, with its requeue count raised. A group without a slot record (already released, put by
+# something other than a producer, or lost between its put and its record) changes nothing.
+# KEYS: group_slots, groups_started, prompt_retry; ARGV: group_id, mode ('release' | 'requeue'), ... Returns, per
+# group: 0 no record, 1 released, 2 released and requeued.
+_RELEASE = """
+local out = {}
+for i = 1, #ARGV, 2 do
+  local item = redis.call('HGET', KEYS[1], ARGV[i])
+  if item then
+    redis.call('HDEL', KEYS[1], ARGV[i])
+    redis.call('DECR', KEYS[2])
+    if ARGV[i + 1] == 'requeue' then
+      local index, n = string.match(item, '^(%d+):?(%d*)$')
+      redis.call('RPUSH', KEYS[3], index .. ':' .. ((tonumber(n) or 0) + 1))
+      out[#out + 1] = 2
+    else
+      out[#out + 1] = 1
+    end
+  else
+    out[#out + 1] = 0
+  end
+end
+return out
+"""
+
+Verdict = Literal["trained", "stale", "invalid", "filtered"]
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """What the trainer does with one drained group, and why (:func:`judge_group`)."""
+
+    fate: Verdict
+    valid: list[Sample]
+    invalid: list[Sample]
+    decision: GroupDecision | None  # None when no sample was trainable
+    filtered_by: str | None = None
+
+    @property
+    def requeue(self) -> bool:
+        """Whether the prompt goes back to the producers."""
+        return self.decision is not None and self.decision.action == "requeue"
+
+
+def judge_group(
+    samples: Sequence[Sample],
+    current: int,
+    staleness: StalenessConfig,
+    filters: GroupFilters | None = None,
+    requeues: Callable[[str], int] = lambda group_id: 0,
+) -> Judgement:
+    """Invalid samples out, then the staleness policy, then the filters: the live drain and replay both use this.
+
+    ``requeues(group_id)`` is asked only for a group the policy would requeue, so the common path costs nothing.
+    """
+    valid: list[Sample] = []
+    invalid: list[Sample] = []
+    for s in samples:
+        (valid if s.status in TRAINABLE and s.num_response_tokens > 0 else invalid).append(s)
+    if not valid:
+        return Judgement("invalid", valid, invalid, None)
+    decision = decide_group(GroupVersions.from_samples(valid), current, staleness)
+    if decision.action == "requeue":
+        n = requeues(valid[0].group_id)
+        if n:
+            decision = decide_group(GroupVersions.from_samples(valid, requeues=n), current, staleness)
+    if decision.action != "train":
+        return Judgement("stale", valid, invalid, decision)
+    reason = filters.check(valid) if filters is not None else None
+    if reason is not None:
+        return Judgement("filtered", valid, invalid, decision, reason)
+    return Judgement("trained", valid, invalid, decision)
+
+
+@dataclass
+class SlotCounts:
+    """Pacing slots a batch gave back (on ``Batch.slots``)."""
+
+    released: int = 0  # groups that will not be trained, whose slots went back to the producers
+    requeued: int = 0  # among them: prompts put back for another generation
+    requeue_unknown: int = 0  # requeues whose group had no slot record, so no prompt index to put back
+
+    def as_metrics(self, prefix: str = "pacing/") -> dict[str, float]:
+        """``pacing/slots_released``, ``pacing/prompts_requeued``, ``pacing/requeue_unknown``."""
+        return {f"{prefix}slots_released": float(self.released), f"{prefix}prompts_requeued": float(self.requeued),
+                f"{prefix}requeue_unknown": float(self.requeue_unknown)}
+
 
 @dataclass
 class Batch:
@@ -34,10 +131,33 @@ class Batch:
 
     groups: list[list[Sample]] = field(default_factory=list)
     group_entries: list[str] = field(default_factory=list)
-    lines: list[LedgerLine] = field(default_factory=list)  # stale and invalid fates, decided at drain time
+    lines: list[LedgerLine] = field(default_factory=list)  # stale, invalid and filtered fates, decided at drain time
     consumed: list[str] = field(default_factory=list)  # every entry id taken this step, to ack at the commit
     counts: StalenessCounts = field(default_factory=StalenessCounts)
     lags: list[int] = field(default_factory=list)
+    filters: FilterCounts = field(default_factory=FilterCounts)
+    slots: SlotCounts = field(default_factory=SlotCounts)
+
+    def add(self, entry_id: str, judged: Judgement, step: int, current: int) -> None:
+        """Take one drained group into the batch: trained, or its samples' fates for the ledger."""
+        self.consumed.append(entry_id)
+        self.lines += [LedgerLine(s.sample_id, entry_id, "invalid", step, current) for s in judged.invalid]
+        if judged.decision is None:
+            return
+        self.counts.record(judged.decision)
+        self.lags.append(judged.decision.lag)
+        if judged.fate == "trained":
+            self.groups.append(judged.valid)
+            self.group_entries.append(entry_id)
+            return
+        if judged.fate == "filtered":
+            assert judged.filtered_by is not None
+            self.filters.record(judged.filtered_by, len(judged.valid))
+        self.lines += [LedgerLine(s.sample_id, entry_id, judged.fate, step, current) for s in judged.valid]
+
+    def drain_metrics(self) -> dict[str, float]:
+        """Filter and pacing-slot counters of this batch, for the step's metrics line."""
+        return {**self.filters.as_metrics(), **self.slots.as_metrics()}
 
 
 @dataclass(frozen=True)
@@ -57,24 +177,33 @@ class Drainer:
         ledger: Ledger,
         staleness: StalenessConfig,
         *,
+        filters: GroupFilters | FilterConfig | None = None,
         group: str = "trainer",
         consumer: str = "trainer-0",
         block_ms: int = 1000,
         claim_idle_ms: int = 60_000,
+        warn_filtered: int = 1000,
     ) -> None:
         self.queue, self.ledger, self.staleness = queue, ledger, staleness
+        self.filters = GroupFilters(filters) if isinstance(filters, FilterConfig) else filters
         self.group, self.consumer = group, consumer
         self.block_ms, self.claim_idle_ms = block_ms, claim_idle_ms
+        self.warn_filtered = warn_filtered
         self._backlog: list[QueueEntry] = []
+        self._release = queue.redis.register_script(_RELEASE)
+        # Consumed entry id -> its group id: at the ack, the slot records of groups that were trained are forgotten.
+        self._entry_groups: dict[str, str] = {}
 
     def recover(self) -> Recovery:
         """Re-read this consumer's pending entries and claim dead trainers', acking those already committed."""
         self.queue.create_group(self.group, "0")
         pending = self.queue.read_pending(self.group, self.consumer)
         pending += self.queue.claim_stale(self.group, self.consumer, self.claim_idle_ms)
-        done = [e.id for e in pending if all(self.ledger.is_committed(s.sample_id) for s in e.samples)]
-        self.queue.ack(self.group, done)
-        done_set = set(done)
+        done = [e for e in pending if all(self.ledger.is_committed(s.sample_id) for s in e.samples)]
+        for e in done:
+            self._entry_groups[e.id] = e.samples[0].group_id
+        self.ack([e.id for e in done])
+        done_set = {e.id for e in done}
         self._backlog = [e for e in pending if e.id not in done_set]
         if pending:
             log.info("trainer recovery: %d pending entries already committed (acked), %d to train again",
@@ -82,13 +211,25 @@ class Drainer:
         return Recovery(already_committed=len(done), to_redo=len(self._backlog))
 
     def ack(self, entry_ids: list[str]) -> None:
-        """Acknowledge entries whose effect a commit now holds."""
-        self.queue.ack(self.group, entry_ids)
+        """Acknowledge entries whose effect a commit now holds, and forget their groups' slot records.
+
+        A trained group keeps its slot for good (the version it advanced paid for it), so only its record goes. Both
+        in one MULTI: acked but still recorded would leave a record no drain ever sees again.
+        """
+        if not entry_ids:
+            return
+        group_ids = [g for g in (self._entry_groups.pop(e, None) for e in entry_ids) if g is not None]
+        pipe = self.queue.redis.pipeline(transaction=True)
+        if group_ids:
+            pipe.hdel(self.queue.keys.group_slots, *group_ids)
+        pipe.xack(self.queue.keys.samples, self.group, *entry_ids)
+        pipe.execute()
 
     def next_batch(self, batch_groups: int, step: int, version: Callable[[], int],
                    should_stop: Callable[[], bool] = lambda: False) -> Batch:
-        """Read until ``batch_groups`` trainable groups are collected (or ``should_stop``)."""
+        """Read until ``batch_groups`` groups pass the staleness policy and the filters (or ``should_stop``)."""
         batch = Batch()
+        warned_at = self.warn_filtered
         while len(batch.groups) < batch_groups and not should_stop():
             want = batch_groups - len(batch.groups)
             if self._backlog:
@@ -96,27 +237,39 @@ class Drainer:
             else:
                 entries = self.queue.read(self.group, self.consumer, count=want, block_ms=self.block_ms)
             current = version()
+            releases: list[tuple[str, bool]] = []
             for entry in entries:
-                self._decide(entry, batch, step, current)
+                judged = judge_group(entry.samples, current, self.staleness, self.filters, self._requeues)
+                batch.add(entry.id, judged, step, current)
+                group_id = entry.samples[0].group_id
+                self._entry_groups[entry.id] = group_id
+                if judged.fate != "trained":
+                    releases.append((group_id, judged.requeue))
+            self._give_back(releases, batch.slots)
+            if batch.filters.groups >= warned_at:
+                warned_at *= 2
+                log.warning("step %d: group filters removed %d groups and kept %d of %d; is every group alike "
+                            "(a collapsed policy, or a reward that cannot tell answers apart)?", step,
+                            batch.filters.groups, len(batch.groups), batch_groups)
         return batch
 
-    def _decide(self, entry: QueueEntry, batch: Batch, step: int, current: int) -> None:
-        batch.consumed.append(entry.id)
-        valid: list[Sample] = []
-        invalid: list[Sample] = []
-        for s in entry.samples:
-            (valid if s.status in TRAINABLE and s.num_response_tokens > 0 else invalid).append(s)
-        batch.lines += [LedgerLine(s.sample_id, entry.id, "invalid", step, current) for s in invalid]
-        if not valid:
+    def _requeues(self, group_id: str) -> int:
+        item = self.queue.redis.hget(self.queue.keys.group_slots, group_id)
+        return 0 if item is None else parse_slot_item(item)[1]
+
+    def _give_back(self, releases: list[tuple[str, bool]], counts: SlotCounts) -> None:
+        if not releases:
             return
-        decision = decide_group(GroupVersions.from_samples(valid), current, self.staleness)
-        batch.counts.record(decision)
-        batch.lags.append(decision.lag)
-        if decision.action == "train":
-            batch.groups.append(valid)
-            batch.group_entries.append(entry.id)
-            return
-        batch.lines += [LedgerLine(s.sample_id, entry.id, "stale", step, current) for s in valid]
-        if decision.action == "requeue":
-            # Producers take requeued prompts before new ones (PromptCursor); the prompt id names it.
-            self.queue.redis.rpush(self.queue.keys.extra("prompt_requeue"), valid[0].prompt_id)
+        args: list[Any] = []
+        for group_id, requeue in releases:
+            args += [group_id, "requeue" if requeue else "release"]
+        keys = self.queue.keys
+        results = self._release(keys=[keys.group_slots, keys.groups_started, keys.prompt_retry], args=args)
+        for (group_id, requeue), r in zip(releases, results, strict=True):
+            counts.released += int(r > 0)
+            counts.requeued += int(r == 2)
+            if requeue and r == 0:
+                counts.requeue_unknown += 1
+                log.warning("group %s is to be requeued but has no pacing-slot record (put by something other than "
+                            "a producer, already released, or its producer died between its put and its record, "
+                            "which hands the prompt back anyway); it is dropped instead", group_id)

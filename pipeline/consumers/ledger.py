@@ -1,4 +1,5 @@
-"""The ledger: each sample's fate in the trainer (trained, stale or invalid), with the step and policy version.
+"""The ledger: each sample's fate in the trainer (trained, stale, invalid or filtered), with the step and policy
+version.
 
 It is the trainer's half of the exactly-once protocol (ARCHITECTURE.md, "Exactly-once effect"). Lines accumulate in
 memory during steps; at a checkpoint commit they are written as one Parquet segment ``ledger/seg-<step>.parquet``
@@ -19,8 +20,9 @@ from typing import Literal
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-Fate = Literal["trained", "stale", "invalid"]
-FATES: tuple[Fate, ...] = ("trained", "stale", "invalid")
+# filtered: the staleness policy accepted the group but a group filter (pipeline.consumers.filters) dropped it.
+Fate = Literal["trained", "stale", "invalid", "filtered"]
+FATES: tuple[Fate, ...] = ("trained", "stale", "invalid", "filtered")
 
 LEDGER_SCHEMA = pa.schema([
     pa.field("sample_id", pa.string(), nullable=False),

@@ -15,9 +15,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.consumers.drain import TRAINABLE, Batch
-from pipeline.consumers.ledger import Ledger, LedgerLine
-from pipeline.consumers.staleness import GroupVersions, StalenessConfig, decide_group
+from pipeline.consumers.drain import Batch, judge_group
+from pipeline.consumers.filters import FilterConfig, GroupFilters
+from pipeline.consumers.ledger import Ledger
+from pipeline.consumers.staleness import StalenessConfig
 from pipeline.consumers.trainer import LocalClock
 from pipeline.errors import ConfigError, SampleDecodeError
 from pipeline.queue.sample import Sample
@@ -33,12 +34,17 @@ class ReplayRecovery:
 
 
 class ReplaySource:
-    """Batches from a recording, judged by the staleness policy against the replay clock."""
+    """Batches from a recording, judged by the staleness policy against the replay clock and by the group filters.
+
+    It judges groups with the live drain's :func:`~pipeline.consumers.drain.judge_group`, so a filter drops the same
+    groups in a replay as in the run. A group the policy would requeue is recorded as stale: there are no producers.
+    """
 
     def __init__(self, records: Iterator[Record], staleness: StalenessConfig, ledger: Ledger,
-                 clock: LocalClock) -> None:
+                 clock: LocalClock, filters: GroupFilters | FilterConfig | None = None) -> None:
         self._records = records
         self.staleness = staleness
+        self.filters = GroupFilters(filters) if isinstance(filters, FilterConfig) else filters
         self.ledger = ledger
         self.clock = clock
         self.skipped = 0
@@ -63,20 +69,7 @@ class ReplaySource:
             # A live trainer is never behind the engines; nor is the replay clock behind the recording.
             self.clock.observe(max((s.version_max for s in samples if s.version_max is not None), default=0))
             current = version()
-            batch.consumed.append(entry_id)
-            valid = [s for s in samples if s.status in TRAINABLE and s.num_response_tokens > 0]
-            batch.lines += [LedgerLine(s.sample_id, entry_id, "invalid", step, current)
-                            for s in samples if all(s is not v for v in valid)]
-            if not valid:
-                continue
-            decision = decide_group(GroupVersions.from_samples(valid), current, self.staleness)
-            batch.counts.record(decision)
-            batch.lags.append(decision.lag)
-            if decision.action == "train":
-                batch.groups.append(valid)
-                batch.group_entries.append(entry_id)
-            else:
-                batch.lines += [LedgerLine(s.sample_id, entry_id, "stale", step, current) for s in valid]
+            batch.add(entry_id, judge_group(samples, current, self.staleness, self.filters), step, current)
         return batch
 
 

@@ -135,6 +135,8 @@ class GroupDecision:
     """True when the lag is over ``max_lag``, whatever the action (a "train" group with stale=True is off-policy)."""
     reason: str
     num_samples: int
+    requeues_exhausted: bool = False
+    """A "drop" because the prompt was already requeued ``max_requeues`` times."""
 
 
 @dataclass
@@ -145,6 +147,7 @@ class StalenessCounts:
     groups_train_stale: int = 0
     groups_drop: int = 0
     groups_requeue: int = 0
+    groups_drop_max_requeues: int = 0  # among groups_drop: their prompt had been requeued max_requeues times
     samples_train: int = 0
     samples_drop: int = 0
     samples_requeue: int = 0
@@ -158,6 +161,7 @@ class StalenessCounts:
             self.samples_train += n
         elif decision.action == "drop":
             self.groups_drop += 1
+            self.groups_drop_max_requeues += int(decision.requeues_exhausted)
             self.samples_drop += n
         else:
             self.groups_requeue += 1
@@ -220,13 +224,15 @@ def decide_group(group: GroupVersions, current_version: int, cfg: StalenessConfi
     """Decide what to do with one group."""
     lag = group_lag(group, current_version, cfg.lag_from)
     newest = max((v for v in group.version_max if v is not None), default=current_version)
+    exhausted = False
     if newest > current_version:
         action, reason = _future_action(group, current_version, newest, cfg)
     elif lag <= cfg.max_lag:
         action, reason = "train", f"fresh: lag {lag} <= max_lag {cfg.max_lag}"
     else:
         action, reason = _stale_action(group, lag, cfg)
-    return GroupDecision(group.group_id, action, lag, lag > cfg.max_lag, reason, group.num_samples)
+        exhausted = cfg.action == "requeue" and action == "drop"  # requeue drops only at the cap
+    return GroupDecision(group.group_id, action, lag, lag > cfg.max_lag, reason, group.num_samples, exhausted)
 
 
 def _stale_action(group: GroupVersions, lag: int, cfg: StalenessConfig) -> tuple[Action, str]:

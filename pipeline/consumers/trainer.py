@@ -262,7 +262,7 @@ class Trainer:
             "step": self.step, "policy_version": self.version, "time": time.time(),
             "reward_mean": sum(rewards) / max(len(rewards), 1), "groups": len(full.groups),
             "samples": len(rewards), "lag_max": max(full.lags, default=0),
-            **full.counts.as_metrics(), **lag_histogram(full.lags, num_buckets=4), **metrics,
+            **full.counts.as_metrics(), **full.drain_metrics(), **lag_histogram(full.lags, num_buckets=4), **metrics,
         }
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.metrics_path, "a") as f:

@@ -1,9 +1,12 @@
 """The producer loop: prompts in, versioned sample groups out, onto the durable queue.
 
 Plain asyncio, one process, any number of groups in flight. A producer holds no state the run needs: the prompt
-cursor and the admission counter live in Redis, so a killed producer loses at most its in-flight generations, and a
-restarted one simply continues. A generation that no engine could serve hands its prompt back to the cursor, so a
-prompt is never lost to an engine failure.
+cursor, the pacing slots and the record of its own in-flight groups live in Redis. Each admitted group is written to
+``producer:{name}:inflight`` in the same script that admits it and takes its prompt, and moves to ``group_slots``
+once it is on the queue. So a killed producer loses only the generations it was running: when it comes back under
+the same name, or once its lease expires and another producer notices, those prompts go back to the cursor and their
+pacing slots are released (docs/queue.md, "Pacing slots"). A generation that no engine could serve hands its prompt
+back at once, so a prompt is never lost to an engine failure.
 """
 
 from __future__ import annotations
@@ -27,21 +30,71 @@ from pipeline.producers.base import EngineClient, GenerateResult
 from pipeline.producers.prompts import Prompt, PromptConfig, PromptCursor, PromptSource, setup_prompts
 from pipeline.producers.rewards import RewardFn, RewardOutcome, resolve_reward, score
 from pipeline.producers.sglang_client import NO_RETRY, EnginePool, EngineRequestError, SGLangClient
-from pipeline.queue.keys import RunKeys
+from pipeline.queue.keys import RunKeys, parse_slot_item
 from pipeline.queue.redis_streams import SampleQueue
 from pipeline.queue.sample import Sample, SampleStatus, SamplingInfo, compact_routing
 
 log = logging.getLogger(__name__)
 
 # AReaL-style admission, atomic across producers: a group may start only while
-# (current_version + max_lag + 1) * batch_groups > groups started so far. Returns the new count, or -1 to wait.
-_ADMIT = """
-local v = tonumber(redis.call('GET', KEYS[1]) or '0')
+# (current_version + max_lag + 1) * batch_groups > slots held (groups_started). In the same step the group takes its
+# prompt (a handed-back one first, else a new cursor index) and is recorded as in flight for this producer, so no
+# crash can leave a slot taken that nothing knows about. ARGV[1] = 0 admits without the budget check (no pacing) but
+# still counts the slot, so the trainer's give-backs stay balanced. Returns {slot item, 1 if a retry}, or -1.
+# KEYS: policy_version, groups_started, prompt_retry, prompt_cursor, inflight; ARGV: paced, max_lag, batch, group_id
+_TAKE = """
 local started = tonumber(redis.call('GET', KEYS[2]) or '0')
-if (v + tonumber(ARGV[1]) + 1) * tonumber(ARGV[2]) > started then
-  return redis.call('INCR', KEYS[2])
+if ARGV[1] == '1' then
+  local v = tonumber(redis.call('GET', KEYS[1]) or '0')
+  if (v + tonumber(ARGV[2]) + 1) * tonumber(ARGV[3]) <= started then
+    return -1
+  end
 end
-return -1
+redis.call('INCR', KEYS[2])
+local retry = 1
+local item = redis.call('LPOP', KEYS[3])
+if not item then
+  item = tostring(redis.call('INCR', KEYS[4]) - 1) .. ':0'
+  retry = 0
+end
+redis.call('HSET', KEYS[5], ARGV[4], item)
+return {item, retry}
+"""
+
+# The group is on the queue: its record moves from this producer's in-flight hash to group_slots, where the trainer
+# finds it (to release the slot of a group it will not train, or to requeue the prompt). A record that is gone was
+# reclaimed by another producer after this one's lease expired: the prompt is generated again there, and the slot was
+# already released, so nothing may be recorded. KEYS: inflight, group_slots; ARGV: group_id. Returns 1 or 0.
+_PUT_DONE = """
+local item = redis.call('HGET', KEYS[1], ARGV[1])
+if not item then return 0 end
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('HSET', KEYS[2], ARGV[1], item)
+return 1
+"""
+
+# Nothing was put: release the slot, and hand the prompt back unless ARGV[2] = 0 (the engine refused the prompt).
+# KEYS: inflight, groups_started, prompt_retry; ARGV: group_id, hand_back. Returns 1, or 0 if already reclaimed.
+_RETURN = """
+local item = redis.call('HGET', KEYS[1], ARGV[1])
+if not item then return 0 end
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('DECR', KEYS[2])
+if ARGV[2] == '1' then redis.call('RPUSH', KEYS[3], item) end
+return 1
+"""
+
+# Hand every in-flight group of a producer back to the cursor and release its slots: the producer's own leftovers
+# when it restarts (ARGV[2] = 1), or a peer's once its lease has expired (ARGV[2] = 0; refused while the lease lives).
+# KEYS: inflight, groups_started, prompt_retry, lease, producers; ARGV: name, own. Returns the count, or -1.
+_RECLAIM = """
+if ARGV[2] ~= '1' and redis.call('EXISTS', KEYS[4]) == 1 then return -1 end
+local items = redis.call('HVALS', KEYS[1])
+for _, item in ipairs(items) do redis.call('RPUSH', KEYS[3], item) end
+if #items > 0 then redis.call('DECRBY', KEYS[2], #items) end
+redis.call('DEL', KEYS[1])
+if ARGV[2] ~= '1' then redis.call('SREM', KEYS[5], ARGV[1]) end
+return #items
 """
 
 # SGLang's finish_reason.type -> the sample's status. Anything else (a newer engine's reason) is not trainable.
@@ -94,6 +147,8 @@ class ProducerConfig(BaseModel):
     """How often to re-check admission while paced."""
     engine_retry_s: float = Field(default=1.0, ge=0)
     """After no engine could serve a group, how long its slot stays idle before another group may start."""
+    lease_ttl_s: float = Field(default=30.0, ge=0.5, le=3600.0)
+    """A producer silent this long counts as dead: another producer hands its in-flight prompts back."""
 
 
 @dataclass
@@ -105,8 +160,21 @@ class ProducerStats:
     samples_failed_reward: int = 0
     engine_errors: int = 0
     prompts_retried: int = 0
+    prompts_requeued: int = 0  # taken prompts the trainer had requeued (a subset of prompts_retried)
     prompts_refused: int = 0
     paced_waits: int = 0
+    prompts_reclaimed: int = 0  # in-flight prompts of a dead incarnation or peer handed back to the cursor
+    leases_lost: int = 0  # groups put after a peer had already reclaimed them (this producer stalled past its lease)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """An admitted group: its id (chosen at admission), its prompt's cursor index and the trainer's requeues of it."""
+
+    group_id: str
+    index: int
+    requeues: int
+    is_retry: bool
 
 
 @dataclass(frozen=True)
@@ -147,9 +215,15 @@ class Producer:
         self.pacing = pacing
         self.num_experts = num_experts
         self.cursor = PromptCursor(queue.redis, queue.run)
-        self.started_key = RunKeys(queue.run).extra("groups_started")
-        """Groups admitted so far by every producer of the run (what pacing compares with the budget)."""
-        self._admit = queue.redis.register_script(_ADMIT)
+        self.keys = RunKeys(queue.run)
+        self.started_key = self.keys.groups_started
+        """Pacing slots held by every producer of the run (what pacing compares with the budget)."""
+        self.inflight_key = self.keys.producer_inflight(name)
+        self.lease_key = self.keys.producer_lease(name)
+        self._take_script = queue.redis.register_script(_TAKE)
+        self._put_done = queue.redis.register_script(_PUT_DONE)
+        self._return = queue.redis.register_script(_RETURN)
+        self._reclaim = queue.redis.register_script(_RECLAIM)
         self.stats = ProducerStats()
 
     # ---- the loop ---------------------------------------------------------------------------------------------------
@@ -161,13 +235,17 @@ class Producer:
         other error (Redis gone, queue full past its timeout, an engine answer that breaks the Sample's invariants)
         cancels the groups in flight, hands their prompts back, and propagates.
         """
+        await asyncio.to_thread(self.start_lease)
         tasks: set[asyncio.Task[None]] = set()
+        heartbeat = asyncio.create_task(self._heartbeat())
         try:
             while not self._finished(max_groups, stop):
+                if heartbeat.done():
+                    heartbeat.result()  # re-raise what stopped it (Redis gone)
                 if not self._has_room(len(tasks), max_groups):
                     await self._reap(tasks, None)
-                elif await asyncio.to_thread(self._try_admit):
-                    tasks.add(asyncio.create_task(self._one_group()))
+                elif (slot := await asyncio.to_thread(self._take)) is not None:
+                    tasks.add(asyncio.create_task(self._one_group(slot)))
                 else:
                     self.stats.paced_waits += 1
                     await self._reap(tasks, self.cfg.admission_poll_s)
@@ -178,6 +256,11 @@ class Producer:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
+        finally:
+            heartbeat.cancel()
+            await asyncio.gather(heartbeat, return_exceptions=True)
+        # Only a clean exit gives the lease up early; after a failure it expires, and whoever comes next reclaims.
+        await asyncio.to_thread(self.end_lease)
         return self.stats
 
     def _finished(self, max_groups: int | None, stop: asyncio.Event | None) -> bool:
@@ -199,41 +282,112 @@ class Producer:
             tasks.discard(task)
             task.result()
 
-    def _try_admit(self) -> bool:
-        if self.pacing is None:
-            return True
-        n = int(self._admit(keys=[self.queue.keys.policy_version, self.started_key],
-                            args=[self.pacing.max_lag, self.pacing.batch_groups]))
-        return n >= 0
+    def _take(self) -> Slot | None:
+        """Admit a group under pacing and take its prompt, atomically; None means wait for a weight push."""
+        group_id = uuid.uuid4().hex
+        pacing = self.pacing or Pacing(max_lag=0, batch_groups=1)  # unpaced: the numbers are not looked at
+        got = self._take_script(
+            keys=[self.keys.policy_version, self.started_key, self.keys.prompt_retry, self.keys.prompt_cursor,
+                  self.inflight_key],
+            args=[int(self.pacing is not None), pacing.max_lag, pacing.batch_groups, group_id],
+        )  # fmt: skip
+        if got == -1:
+            return None
+        item, retry = got
+        index, requeues = parse_slot_item(item)
+        return Slot(group_id, index, requeues, bool(retry))
 
-    def _unadmit(self) -> None:
+    def _release(self, slot: Slot, hand_back: bool) -> None:
         # The admitted group produced nothing, so it must not use up the staleness budget.
-        if self.pacing is not None:
-            self.queue.redis.decr(self.started_key)
+        self._return(keys=[self.inflight_key, self.started_key, self.keys.prompt_retry],
+                     args=[slot.group_id, int(hand_back)])
+
+    def _mark_put(self, slot: Slot) -> None:
+        if not int(self._put_done(keys=[self.inflight_key, self.keys.group_slots], args=[slot.group_id])):
+            self.stats.leases_lost += 1
+            log.warning("producer %s: group %s was reclaimed by another producer while it ran (lease of %.1fs "
+                        "expired); its prompt will be generated twice", self.name, slot.group_id,
+                        self.cfg.lease_ttl_s)
+
+    # ---- the lease: who may reclaim whose in-flight groups ---------------------------------------------------------
+
+    def start_lease(self) -> int:
+        """Take this producer's lease and hand back what a previous incarnation under this name left in flight."""
+        pipe = self.queue.redis.pipeline(transaction=True)
+        pipe.set(self.lease_key, "1", px=int(self.cfg.lease_ttl_s * 1000))
+        pipe.sadd(self.keys.producers, self.name)
+        pipe.execute()
+        n = self._reclaim_from(self.name, own=True)
+        if n:
+            log.warning("producer %s: handed back %d prompts a previous run of this producer left in flight",
+                        self.name, n)
+        return n
+
+    def end_lease(self) -> None:
+        """Give the lease up after a clean stop (nothing is in flight any more)."""
+        pipe = self.queue.redis.pipeline(transaction=True)
+        pipe.delete(self.lease_key)
+        pipe.srem(self.keys.producers, self.name)
+        pipe.execute()
+        # Anything still recorded (a hand-back that failed) goes back now rather than waiting for a peer.
+        self._reclaim_from(self.name, own=True)
+
+    def reclaim_dead_peers(self) -> int:
+        """Hand back the in-flight prompts of every producer whose lease has expired; returns how many."""
+        total = 0
+        for raw in self.queue.redis.smembers(self.keys.producers):
+            name = raw.decode() if isinstance(raw, bytes) else str(raw)
+            if name == self.name:
+                continue
+            n = self._reclaim_from(name, own=False)
+            if n > 0:
+                log.warning("producer %s: producer %s stopped renewing its lease; handed back its %d in-flight "
+                            "prompts", self.name, name, n)
+                total += n
+        return total
+
+    def _reclaim_from(self, name: str, *, own: bool) -> int:
+        n = int(self._reclaim(
+            keys=[self.keys.producer_inflight(name), self.started_key, self.keys.prompt_retry,
+                  self.keys.producer_lease(name), self.keys.producers],
+            args=[name, int(own)],
+        ))  # fmt: skip
+        self.stats.prompts_reclaimed += max(n, 0)
+        return n
+
+    def _renew_lease(self) -> None:
+        pipe = self.queue.redis.pipeline(transaction=True)
+        pipe.set(self.lease_key, "1", px=int(self.cfg.lease_ttl_s * 1000))
+        pipe.sadd(self.keys.producers, self.name)
+        pipe.execute()
+
+    async def _heartbeat(self) -> None:
+        # Three renewals per TTL: one late renewal (a GC pause, a slow Redis) does not make this producer look dead.
+        while True:
+            await asyncio.sleep(self.cfg.lease_ttl_s / 3)
+            await asyncio.to_thread(self._renew_lease)
+            await asyncio.to_thread(self.reclaim_dead_peers)
 
     # ---- one group --------------------------------------------------------------------------------------------------
 
-    async def _one_group(self) -> None:
-        index, is_retry = await asyncio.to_thread(self.cursor.next)
-        self.stats.prompts_retried += int(is_retry)
+    async def _one_group(self, slot: Slot) -> None:
+        self.stats.prompts_retried += int(slot.is_retry)
+        self.stats.prompts_requeued += int(slot.requeues > 0)
         try:
-            served = await self._produce(index)
+            served = await self._produce(slot)
         except BaseException:
             # Cancelled or failed before the group was on the queue: another try (here or in another producer) must
             # see this prompt. Synchronous on purpose, so that a cancellation cannot skip it.
-            self._hand_back(index)
+            self._release(slot, hand_back=True)
             raise
         if not served:
-            await asyncio.to_thread(self._hand_back, index)
+            await asyncio.to_thread(self._release, slot, True)
             # Keep this slot idle for a while, so that a run with every engine down does not spin through retries.
             await asyncio.sleep(self.cfg.engine_retry_s)
 
-    def _hand_back(self, index: int) -> None:
-        self.cursor.give_back(index)
-        self._unadmit()
-
-    async def _produce(self, index: int) -> bool:
-        """Generate, score and put the group of prompt ``index``; False if no engine served it (try again later)."""
+    async def _produce(self, slot: Slot) -> bool:
+        """Generate, score and put the group of ``slot``'s prompt; False if no engine served it (try again later)."""
+        index = slot.index
         prompt = self.prompts[index % len(self.prompts)]
         prompt_ids = self.prompt_ids(prompt)
         seed = None if self.cfg.sampling.seed is None else self.cfg.sampling.seed + index * self.cfg.group_size
@@ -246,7 +400,7 @@ class Producer:
             # The engine refused this prompt (too long, say); every engine would, so it is skipped, not retried.
             self.stats.prompts_refused += 1
             log.error("producer %s: engines refuse prompt %s, skipping it: %s", self.name, prompt.prompt_id, e)
-            await asyncio.to_thread(self._unadmit)
+            await asyncio.to_thread(self._release, slot, False)
             return True
         except (TimeoutError, EngineError, OSError) as e:
             self.stats.engine_errors += 1
@@ -255,8 +409,11 @@ class Producer:
             return False
         outcomes = await asyncio.gather(*(score(self.reward_fn, prompt, r.text, self.cfg.reward_timeout_s)
                                           for r in results))
-        group = self.build_group(prompt, prompt_ids, results, outcomes, seed=seed)
+        group = self.build_group(prompt, prompt_ids, results, outcomes, seed=seed, group_id=slot.group_id)
         await asyncio.to_thread(self.queue.put, group, self.cfg.put_timeout_s)
+        # Killed between the put and this: a restart hands the prompt back although its group is queued, so it is
+        # generated twice (never lost), and that group holds no slot record (its slot was released by the restart).
+        await asyncio.to_thread(self._mark_put, slot)
         self.stats.groups_put += 1
         self.stats.samples_put += len(group)
         self.stats.samples_failed_reward += sum(o.failed for o in outcomes)
@@ -293,9 +450,10 @@ class Producer:
         outcomes: Sequence[RewardOutcome],
         *,
         seed: int | None = None,
+        group_id: str | None = None,
     ) -> list[Sample]:
         """Samples of one prompt group from the engine's results and their rewards (sample j used seed + j)."""
-        group_id = uuid.uuid4().hex
+        group_id = group_id or uuid.uuid4().hex
         sp = self.cfg.sampling
         prompt_arr = np.asarray(prompt_ids, dtype=np.int32)
         out = []

@@ -54,6 +54,52 @@ class RunKeys:
         """Entries ever added to ``samples``; each entry's ``seq`` field is its 1-based position in that count."""
         return f"{self.prefix}:produced"
 
+    # ---- pacing slots and the prompt cursor (written by producers, given back by the trainer) ----------------------
+    @property
+    def groups_started(self) -> str:
+        """Pacing slots held: groups admitted minus groups given back (see docs/queue.md, "Pacing slots")."""
+        return f"{self.prefix}:groups_started"
+
+    @property
+    def group_slots(self) -> str:
+        """Hash group_id -> slot item of every queued group that still holds its pacing slot."""
+        return f"{self.prefix}:group_slots"
+
+    @property
+    def prompt_cursor(self) -> str:
+        """The next new prompt index; producers INCR it."""
+        return f"{self.prefix}:prompt_cursor"
+
+    @property
+    def prompt_retry(self) -> str:
+        """List of slot items handed back (a failed generation, a lost producer, a requeued group), taken first."""
+        return f"{self.prefix}:prompt_retry"
+
+    @property
+    def producers(self) -> str:
+        """Set of producer names that may hold in-flight groups."""
+        return f"{self.prefix}:producers"
+
+    def producer_inflight(self, name: str) -> str:
+        """Hash group_id -> slot item of the groups producer ``name`` admitted and has not yet put."""
+        return f"{self.prefix}:producer:{name}:inflight"
+
+    def producer_lease(self, name: str) -> str:
+        """Expiring key that says producer ``name`` is alive; once it is gone, anyone may reclaim its groups."""
+        return f"{self.prefix}:producer:{name}:lease"
+
     def extra(self, name: str) -> str:
         """A run-scoped key for other stages (prompt cursors, ledgers), inside the same hash slot."""
         return f"{self.prefix}:{name}"
+
+
+def slot_item(index: int, requeues: int = 0) -> str:
+    """A slot item: a prompt cursor index and how many times the trainer has requeued that prompt, ``"index:n"``."""
+    return f"{index}:{requeues}"
+
+
+def parse_slot_item(raw: str | bytes) -> tuple[int, int]:
+    """(cursor index, requeues) of a slot item; a bare index (an older writer) has been requeued 0 times."""
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    index, _, requeues = text.partition(":")
+    return int(index), int(requeues or 0)

@@ -1,0 +1,152 @@
+"""Group filters in the drainer and in replay: real Redis, groups put through the real SampleQueue, the real ledger and
+audit. A filter that did nothing would leave the constant groups in the batch, and these tests would see them."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import make_group
+
+from pipeline.config import load_config
+from pipeline.consumers.audit import audit_trainer
+from pipeline.consumers.drain import Drainer
+from pipeline.consumers.filters import FilterConfig, GroupFilters, resolve_filter
+from pipeline.consumers.ledger import Ledger, LedgerLine
+from pipeline.consumers.replay import ReplaySource
+from pipeline.consumers.staleness import StalenessConfig
+from pipeline.errors import ConfigError, SluiceError
+from pipeline.queue.redis_streams import SampleQueue
+from pipeline.queue.sample import Sample
+
+sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
+
+FRESH = StalenessConfig(max_lag=1, action="drop")
+
+
+def rewarded(rng: np.random.Generator, rewards: list[float]) -> list[Sample]:
+    group = make_group(rng, len(rewards), version=0)
+    for s, r in zip(group, rewards):
+        s.reward = r
+    return group
+
+
+def test_zero_variance_filter_drops_exactly_the_constant_groups_and_keeps_drawing(queue: SampleQueue,
+                                                                                  tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    constant = [[0.0] * 4, [1.0] * 4, [0.1] * 4, [0.0] * 4]
+    varied = [[0.0, 1.0, 0.0, 0.0], [0.1, 0.1, 1.0, 0.1], [1.0, 1.0, 1.0, 0.0]]
+    # Interleaved, three constant groups first: a drainer that stopped at batch_groups entries would train them.
+    order = [constant[0], constant[1], varied[0], constant[2], varied[1], constant[3], varied[2], varied[0]]
+    groups = [rewarded(rng, r) for r in order]
+    # Every group holds a pacing slot, as a producer's would.
+    queue.redis.set(queue.keys.groups_started, len(groups))
+    for i, g in enumerate(groups):
+        queue.redis.hset(queue.keys.group_slots, g[0].group_id, f"{i}:0")
+    ids = queue.put_many(groups)
+    d = Drainer(queue, Ledger(tmp_path / "ledger"), FRESH, filters=FilterConfig(zero_variance=True), block_ms=10)
+    d.recover()
+    batch = d.next_batch(3, step=0, version=lambda: 0)
+
+    assert [[s.reward for s in g] for g in batch.groups] == [[np.float32(x) for x in r] for r in varied]
+    assert batch.group_entries == [ids[2], ids[4], ids[6]]
+    assert batch.consumed == ids[:7]  # it kept reading past the constant ones, and no further than needed
+    filtered_ids = {s.sample_id for g in (groups[0], groups[1], groups[3], groups[5]) for s in g}
+    assert {line.sample_id for line in batch.lines if line.fate == "filtered"} == filtered_ids
+    assert all(line.fate == "filtered" for line in batch.lines)
+    assert batch.filters.as_metrics() == {"filter/groups_zero_variance": 4.0, "filter/groups_user": 0.0,
+                                          "filter/samples": 16.0}
+    # The four filtered groups gave their slots back at drain time; the trained ones keep theirs.
+    assert batch.slots.released == 4 and int(queue.redis.get(queue.keys.groups_started)) == len(groups) - 4
+    assert batch.drain_metrics()["pacing/slots_released"] == 4.0
+    # Without the filter the same stream gives the first three groups, constant ones included.
+    queue.create_group("plain", "0")
+    plain = Drainer(queue, Ledger(tmp_path / "plain"), FRESH, group="plain", block_ms=10).next_batch(
+        3, step=0, version=lambda: 0)
+    assert plain.group_entries == ids[:3]
+
+
+def test_a_user_filter_by_import_path_is_applied(queue: SampleQueue, tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    groups = [rewarded(rng, r) for r in ([1.0, 1.0, 0.0], [0.0, 0.1, 0.0], [1.0, 0.0, 1.0], [0.1, 0.1, 0.1])]
+    ids = queue.put_many(groups)
+    cfg = FilterConfig(zero_variance=True, user=["user_filters:mean_reward_above_half"])
+    d = Drainer(queue, Ledger(tmp_path / "ledger"), FRESH, filters=cfg, block_ms=10)
+    d.recover()
+    batch = d.next_batch(2, step=0, version=lambda: 0)
+    assert batch.group_entries == [ids[0], ids[2]] and batch.consumed == ids[:3]
+    # Group 1 has varied rewards but a low mean: the user filter drops it.
+    assert (batch.filters.groups_user, batch.filters.groups_zero_variance, batch.filters.samples) == (1, 0, 3)
+    assert {line.sample_id for line in batch.lines} == {s.sample_id for s in groups[1]}
+    # Group 3 is constant: the built-in filter, which runs first, drops it.
+    rest = d.next_batch(1, step=1, version=lambda: 0, should_stop=lambda: len(queue.pending_ids("trainer")) >= 4)
+    assert rest.groups == [] and rest.consumed == [ids[3]]
+    assert (rest.filters.groups_user, rest.filters.groups_zero_variance) == (0, 1)
+
+
+def test_filtered_groups_are_accounted_for_by_the_audit(queue: SampleQueue, tmp_path: Path) -> None:
+    rng = np.random.default_rng(2)
+    groups = [rewarded(rng, r) for r in ([0.0, 0.0], [0.0, 1.0], [1.0, 1.0], [1.0, 0.0])]
+    queue.put_many(groups)
+    run_dir = tmp_path / "run"
+    ledger = Ledger(run_dir / "ledger")
+    d = Drainer(queue, ledger, FRESH, filters=FilterConfig(zero_variance=True), block_ms=10)
+    d.recover()
+    batch = d.next_batch(2, step=1, version=lambda: 0)
+    # What the trainer's record and commit do: ledger lines, segment, checkpoint in place, then the acks.
+    ledger.record([*batch.lines, *(LedgerLine(s.sample_id, e, "trained", 1, 0)
+                                   for e, g in zip(batch.group_entries, batch.groups) for s in g)])
+    ledger.write_segment(1)
+    (run_dir / "checkpoints" / "step-00000001").mkdir(parents=True)
+    ledger.mark_committed(1)
+    d.ack(batch.consumed)
+    audit = audit_trainer(queue, run_dir)
+    assert (audit.trained, audit.filtered, audit.stale, audit.invalid) == (4, 4, 0, 0)
+    assert audit.lost == 0 and audit.duplicates == 0 and audit.pending == 0
+
+
+def test_replay_applies_the_same_filters(tmp_path: Path) -> None:
+    from pipeline.consumers.trainer import LocalClock
+
+    rng = np.random.default_rng(3)
+    groups = [rewarded(rng, r) for r in ([1.0, 1.0], [0.0, 1.0], [0.5, 0.5], [1.0, 0.0])]
+    records = iter([(f"{i}-0", g) for i, g in enumerate(groups)])
+    clock = LocalClock(0)
+    src = ReplaySource(records, FRESH, Ledger(tmp_path / "ledger"), clock, filters=FilterConfig(zero_variance=True))
+    batch = src.next_batch(2, step=0, version=clock.get)
+    assert batch.group_entries == ["1-0", "3-0"] and batch.consumed == ["0-0", "1-0", "2-0", "3-0"]
+    assert batch.filters.groups_zero_variance == 2
+    assert {(line.entry_id, line.fate) for line in batch.lines} == {("0-0", "filtered"), ("2-0", "filtered")}
+
+
+def test_a_bad_filter_path_is_rejected_when_the_recipe_loads() -> None:
+    with pytest.raises(ConfigError, match=r"filters\.user.*cannot import 'no_such_module'"):
+        load_config(overrides=['filters.user=["no_such_module:keep"]'])
+    with pytest.raises(ConfigError, match=r"filters\.user\[1\].*has no attribute 'missing'"):
+        load_config(overrides=['filters.user=["user_filters:mean_reward_above_half", "user_filters:missing"]'])
+    with pytest.raises(ConfigError, match="must take one argument"):
+        load_config(overrides=['filters.user=["user_filters:two_arguments"]'])
+    with pytest.raises(ConfigError, match="not a function"):
+        load_config(overrides=['filters.user=["user_filters:NOT_CALLABLE"]'])
+    with pytest.raises(ConfigError, match="is async"):
+        load_config(overrides=['filters.user=["user_filters:async_filter"]'])
+    with pytest.raises(ConfigError, match="not an import path"):
+        load_config(overrides=['filters.user=["user_filters.mean_reward_above_half"]'])
+    with pytest.raises(ConfigError, match="filters.unknown"):
+        load_config(overrides=["filters.unknown=true"])
+    with pytest.raises(ConfigError, match="group_size = 1 drops every group"):
+        load_config(overrides=["filters.zero_variance=true", "producer.group_size=1"])
+    cfg = load_config(overrides=["filters.zero_variance=true", 'filters.user=["user_filters:mean_reward_above_half"]'])
+    assert cfg.filters.zero_variance and cfg.filters.user == ["user_filters:mean_reward_above_half"]
+
+
+def test_a_filter_must_answer_with_a_bool() -> None:
+    rng = np.random.default_rng(4)
+    group = rewarded(rng, [0.0, 1.0])
+    assert GroupFilters(FilterConfig(user=["user_filters:numpy_keep_all"])).check(group) is None
+    bad = GroupFilters(FilterConfig.model_construct(zero_variance=False, user=[]))
+    bad.user = [("user_filters:returns_a_number", resolve_filter("user_filters:returns_a_number"))]
+    with pytest.raises(SluiceError, match="returned float; it must return True"):
+        bad.check(group)
