@@ -415,7 +415,10 @@ def run_warmstart(cfg: SluiceConfig, run_dir: Path, base_model: Path) -> dict[st
     """Supervised training of ``base_model`` into ``run_dir``: checkpoint, HF model, metrics, then the done marker.
 
     Uses ``cfg.warmstart`` whether or not it is enabled (``enabled`` only tells ``sluice run`` to call this).
-    Returns the summary written to ``done.json``. Initialises and tears down a one-process torch.distributed world.
+    Initialises and tears down a one-process torch.distributed world. Returns the summary written to ``done.json``:
+    steps, pairs, final_loss and final_token_accuracy (means over the last metrics window), steps_per_s,
+    phase_seconds (setup, train, save, eval), seconds (the whole call), eval (exact_match, stop_rate, prompts,
+    split; None when eval_prompts = 0) and the [warmstart] config it ran with.
     """
     from transformers import AutoTokenizer
 
@@ -440,9 +443,11 @@ def run_warmstart(cfg: SluiceConfig, run_dir: Path, base_model: Path) -> dict[st
                               f"max_position_embeddings={model_cfg.max_position_embeddings}; shorten them")
         writer = _start_writer_warm_up()
         trainer = SFTTrainer(model, data, ws)
-        t_train = time.perf_counter()
+        clock = time.perf_counter()
+        seconds = {"setup": clock - start}
         last = train_steps(trainer, warmstart_metrics_path(run_dir))
-        train_seconds = time.perf_counter() - t_train
+        seconds["train"] = time.perf_counter() - clock
+        clock = time.perf_counter()
         if writer is not None:
             writer.finish()
         save_checkpoint(out / "checkpoint", model, trainer.optimizer,
@@ -450,17 +455,20 @@ def run_warmstart(cfg: SluiceConfig, run_dir: Path, base_model: Path) -> dict[st
         if own_dtype != torch.float32:
             model.to(own_dtype)
         export_hf_model(model, model_cfg, base_model, warmstart_model_dir(run_dir))
+        seconds["save"] = time.perf_counter() - clock
     finally:
         shutdown_parallel()
     summary: dict[str, Any] = {
         "steps": trainer.steps_done, "pairs": len(data), "source": where,
         "final_loss": last["loss"], "final_token_accuracy": last["token_accuracy"],
-        "train_seconds": train_seconds, "steps_per_s": trainer.steps_done / train_seconds,
+        "steps_per_s": trainer.steps_done / seconds["train"], "phase_seconds": seconds,
         "checkpoint": "checkpoint", "model": "model", "config": ws.model_dump(mode="json"), "eval": None,
     }
     if ws.eval_prompts:
+        clock = time.perf_counter()
         held, split = measure_prompts(cfg, prompts)
         summary["eval"] = {**greedy_exact_match(warmstart_model_dir(run_dir), held), "split": split}
+        seconds["eval"] = time.perf_counter() - clock
     summary["seconds"] = time.perf_counter() - start
     _write_done(out, summary)
     log.info("%s", format_summary(summary))
