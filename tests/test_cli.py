@@ -137,7 +137,12 @@ def test_sluice_sft_trains_the_warm_start_into_the_run_folder(tmp_path: Path) ->
     recipe = tmp_path / "warm.toml"
     recipe.write_text(WARM_RECIPE)
     run_dir = tmp_path / "run"
+    # What an interrupted attempt leaves behind (no done.json): it must be discarded, not built upon.
+    (run_dir / "warmstart" / "checkpoint.tmp").mkdir(parents=True)
+    (run_dir / "metrics").mkdir()
+    (run_dir / "metrics" / "warmstart.jsonl").write_text('{"step": 999}\n' * 5)
     r = sluice("sft", str(recipe), "--run-dir", str(run_dir), "--set", "warmstart.steps=40")
+    assert not (run_dir / "warmstart" / "checkpoint.tmp").exists()
     assert "warm start: 40 steps" in r.stdout and "greedy exact match" in r.stdout
     done = json.loads((run_dir / "warmstart" / "done.json").read_text())
     assert done["steps"] == 40 and done["eval"]["split"] == "train" and done["eval"]["prompts"] == 10
