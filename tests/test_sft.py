@@ -142,7 +142,7 @@ def test_micro_batches_accumulate_to_the_whole_batch_gradient(warm: dict[str, An
     from transformers import AutoTokenizer
 
     from pipeline.consumers.megatron.model import shutdown_parallel
-    from pipeline.consumers.sft import _build_model
+    from pipeline.consumers.sft import build_sft_model
 
     cfg = warm["cfg"]
     pairs = tokenize_pairs(sft_prompts(cfg)[:64], AutoTokenizer.from_pretrained(str(model_dir)), where="test")
@@ -150,7 +150,7 @@ def test_micro_batches_accumulate_to_the_whole_batch_gradient(warm: dict[str, An
     grads = []
     try:
         for micro in (None, 24):
-            model, _, _ = _build_model(model_dir, seed=0)
+            model, _, _ = build_sft_model(model_dir, seed=0)
             # No clipping: it would rescale both gradients to the same norm and hide a wrong normalisation.
             ws = cfg.warmstart.model_copy(update={"batch_size": 64, "micro_batch_size": micro, "grad_clip": None})
             trainer = SFTTrainer(model, data, ws)
@@ -167,15 +167,15 @@ def test_micro_batches_accumulate_to_the_whole_batch_gradient(warm: dict[str, An
 def test_the_checkpoint_holds_the_exported_weights(warm: dict[str, Any], model_dir: Path) -> None:
     from pipeline.consumers.megatron.checkpoint import load_checkpoint
     from pipeline.consumers.megatron.model import shutdown_parallel
-    from pipeline.consumers.sft import _adamw, _build_model
+    from pipeline.consumers.sft import build_sft_model, sft_adamw
 
     run_dir = warm["run_dir"]
     try:
-        from_ckpt, _, _ = _build_model(model_dir, seed=0)  # starts as the untrained base model
-        optimizer = _adamw(list(from_ckpt.parameters()), warm["cfg"].warmstart)
+        from_ckpt, _, _ = build_sft_model(model_dir, seed=0)  # starts as the untrained base model
+        optimizer = sft_adamw(list(from_ckpt.parameters()), warm["cfg"].warmstart)
         meta = load_checkpoint(run_dir / "warmstart" / "checkpoint", from_ckpt, optimizer)
-        exported, _, _ = _build_model(warmstart_model_dir(run_dir), seed=0)
-        base, _, _ = _build_model(model_dir, seed=0)
+        exported, _, _ = build_sft_model(warmstart_model_dir(run_dir), seed=0)
+        base, _, _ = build_sft_model(model_dir, seed=0)
     finally:
         shutdown_parallel()
     assert meta["step"] == STEPS and meta["kind"] == "warmstart"
