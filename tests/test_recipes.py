@@ -36,6 +36,7 @@ def test_shipped_recipes_validate(recipe: Path) -> None:
         (["warmstart.lr=2"], "warmstart.lr: Input should be less than or equal to 1"),
         (["warmstart.batch_sise=8"], "warmstart.batch_sise: Extra inputs are not permitted"),
         (["warmstart.schedule.decay=square"], "warmstart.schedule.decay"),
+        (["warmstart.path=data.parquet"], "warmstart.path: .*must be a .jsonl file"),
         (["warmstart.enabled=true", "engine.type=sglang", 'engine.urls=["http://x:1"]'], "SGLang servers serve"),
     ],
 )

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pipeline.consumers.schedule import LRScheduleConfig
 
@@ -50,6 +50,13 @@ class WarmStartConfig(BaseModel):
     eval_prompts: int = Field(default=256, ge=0, le=1_000_000)
     """Prompts of the held-out split (else of the training data) on which the exported model's greedy exact match
     is measured at the end; 0 = skip the measurement."""
+
+    @field_validator("path")
+    @classmethod
+    def _jsonl(cls, path: Path | None) -> Path | None:
+        if path is not None and path.suffix != ".jsonl":
+            raise ValueError(f"{path} must be a .jsonl file of {{\"prompt\", \"answer\"}} records, one per line")
+        return path
 
 
 def warmstart_dir(run_dir: Path) -> Path:
