@@ -37,18 +37,27 @@ log = logging.getLogger(__name__)
 TRAINABLE = (SampleStatus.COMPLETED, SampleStatus.TRUNCATED)
 
 # Give back the pacing slots of groups that will not be trained; for a requeued one, put its prompt back where
-# producers take it first, with its requeue count raised. A group without a slot record (already released, put by
-# something other than a producer, or lost between its put and its record) changes nothing.
-# KEYS: group_slots, groups_started, prompt_retry; ARGV: group_id, mode ('release' | 'requeue'), ... Returns, per
-# group: 0 no record, 1 released, 2 released and requeued.
+# producers take it first, with its requeue count raised. A group's record is in group_slots, or still in its
+# producer's in-flight hash when the drain read the entry before the producer moved it (the put comes first). Whoever
+# deletes the record releases the slot, so it is released once: the producer records nothing more, and a restart or
+# a peer finds nothing to hand back. A group without a record (released already, or put by something other than a
+# producer) changes nothing.
+# KEYS: group_slots, groups_started, prompt_retry, then the in-flight hash of each group's producer;
+# ARGV: group_id, mode ('release' | 'requeue') per group. Returns per group: 0 no record, 1 released, 2 requeued.
 _RELEASE = """
 local out = {}
-for i = 1, #ARGV, 2 do
-  local item = redis.call('HGET', KEYS[1], ARGV[i])
+for g = 1, #ARGV / 2 do
+  local gid, mode = ARGV[2 * g - 1], ARGV[2 * g]
+  local where = KEYS[1]
+  local item = redis.call('HGET', where, gid)
+  if not item then
+    where = KEYS[3 + g]
+    item = redis.call('HGET', where, gid)
+  end
   if item then
-    redis.call('HDEL', KEYS[1], ARGV[i])
+    redis.call('HDEL', where, gid)
     redis.call('DECR', KEYS[2])
-    if ARGV[i + 1] == 'requeue' then
+    if mode == 'requeue' then
       local index, n = string.match(item, '^(%d+):?(%d*)$')
       redis.call('RPUSH', KEYS[3], index .. ':' .. ((tonumber(n) or 0) + 1))
       out[#out + 1] = 2
@@ -191,8 +200,8 @@ class Drainer:
         self.warn_filtered = warn_filtered
         self._backlog: list[QueueEntry] = []
         self._release = queue.redis.register_script(_RELEASE)
-        # Consumed entry id -> its group id: at the ack, the slot records of groups that were trained are forgotten.
-        self._entry_groups: dict[str, str] = {}
+        # Consumed entry id -> (group id, producer): at the ack, the slot records of trained groups are forgotten.
+        self._entry_groups: dict[str, tuple[str, str]] = {}
 
     def recover(self) -> Recovery:
         """Re-read this consumer's pending entries and claim dead trainers', acking those already committed."""
@@ -201,7 +210,7 @@ class Drainer:
         pending += self.queue.claim_stale(self.group, self.consumer, self.claim_idle_ms)
         done = [e for e in pending if all(self.ledger.is_committed(s.sample_id) for s in e.samples)]
         for e in done:
-            self._entry_groups[e.id] = e.samples[0].group_id
+            self._entry_groups[e.id] = (e.samples[0].group_id, e.samples[0].producer)
         self.ack([e.id for e in done])
         done_set = {e.id for e in done}
         self._backlog = [e for e in pending if e.id not in done_set]
@@ -213,15 +222,22 @@ class Drainer:
     def ack(self, entry_ids: list[str]) -> None:
         """Acknowledge entries whose effect a commit now holds, and forget their groups' slot records.
 
-        A trained group keeps its slot for good (the version it advanced paid for it), so only its record goes. Both
-        in one MULTI: acked but still recorded would leave a record no drain ever sees again.
+        A trained group keeps its slot for good (the version it advanced paid for it), so only its record goes: from
+        group_slots, or from its producer's in-flight hash if that producer died between its put and moving the record
+        (a restart then has nothing to hand back, and the prompt is not generated twice). All in one MULTI: acked but
+        still recorded would leave a record no drain ever sees again.
         """
         if not entry_ids:
             return
-        group_ids = [g for g in (self._entry_groups.pop(e, None) for e in entry_ids) if g is not None]
+        by_producer: dict[str, list[str]] = {}
+        for e in entry_ids:
+            group_id, producer = self._entry_groups.pop(e, ("", ""))
+            if group_id:
+                by_producer.setdefault(producer, []).append(group_id)
         pipe = self.queue.redis.pipeline(transaction=True)
-        if group_ids:
+        for producer, group_ids in by_producer.items():
             pipe.hdel(self.queue.keys.group_slots, *group_ids)
+            pipe.hdel(self.queue.keys.producer_inflight(producer), *group_ids)
         pipe.xack(self.queue.keys.samples, self.group, *entry_ids)
         pipe.execute()
 
@@ -237,14 +253,15 @@ class Drainer:
             else:
                 entries = self.queue.read(self.group, self.consumer, count=want, block_ms=self.block_ms)
             current = version()
-            releases: list[tuple[str, bool]] = []
+            releases: list[tuple[str, str, bool]] = []
             for entry in entries:
-                judged = judge_group(entry.samples, current, self.staleness, self.filters, self._requeues)
+                first = entry.samples[0]
+                judged = judge_group(entry.samples, current, self.staleness, self.filters,
+                                     lambda group_id, p=first.producer: self._requeues(group_id, p))
                 batch.add(entry.id, judged, step, current)
-                group_id = entry.samples[0].group_id
-                self._entry_groups[entry.id] = group_id
+                self._entry_groups[entry.id] = (first.group_id, first.producer)
                 if judged.fate != "trained":
-                    releases.append((group_id, judged.requeue))
+                    releases.append((first.group_id, first.producer, judged.requeue))
             self._give_back(releases, batch.slots)
             if batch.filters.groups >= warned_at:
                 warned_at *= 2
@@ -253,19 +270,24 @@ class Drainer:
                             batch.filters.groups, len(batch.groups), batch_groups)
         return batch
 
-    def _requeues(self, group_id: str) -> int:
-        item = self.queue.redis.hget(self.queue.keys.group_slots, group_id)
+    def _requeues(self, group_id: str, producer: str) -> int:
+        pipe = self.queue.redis.pipeline(transaction=False)
+        pipe.hget(self.queue.keys.group_slots, group_id)
+        pipe.hget(self.queue.keys.producer_inflight(producer), group_id)
+        item = next((x for x in pipe.execute() if x is not None), None)
         return 0 if item is None else parse_slot_item(item)[1]
 
-    def _give_back(self, releases: list[tuple[str, bool]], counts: SlotCounts) -> None:
+    def _give_back(self, releases: list[tuple[str, str, bool]], counts: SlotCounts) -> None:
         if not releases:
             return
         args: list[Any] = []
-        for group_id, requeue in releases:
+        for group_id, _, requeue in releases:
             args += [group_id, "requeue" if requeue else "release"]
         keys = self.queue.keys
-        results = self._release(keys=[keys.group_slots, keys.groups_started, keys.prompt_retry], args=args)
-        for (group_id, requeue), r in zip(releases, results, strict=True):
+        inflight = [keys.producer_inflight(producer) for _, producer, _ in releases]
+        results = self._release(keys=[keys.group_slots, keys.groups_started, keys.prompt_retry, *inflight],
+                                args=args)
+        for (group_id, _, requeue), r in zip(releases, results, strict=True):
             counts.released += int(r > 0)
             counts.requeued += int(r == 2)
             if requeue and r == 0:

@@ -63,8 +63,9 @@ return {item, retry}
 
 # The group is on the queue: its record moves from this producer's in-flight hash to group_slots, where the trainer
 # finds it (to release the slot of a group it will not train, or to requeue the prompt). A record that is gone was
-# reclaimed by another producer after this one's lease expired: the prompt is generated again there, and the slot was
-# already released, so nothing may be recorded. KEYS: inflight, group_slots; ARGV: group_id. Returns 1 or 0.
+# taken already: by the trainer, which may drain the group before this runs and looks in the in-flight hash too, or by
+# a peer that reclaimed it after this producer's lease expired. Either way its slot was released, so nothing may be
+# recorded again. KEYS: inflight, group_slots; ARGV: group_id. Returns 1 or 0.
 _PUT_DONE = """
 local item = redis.call('HGET', KEYS[1], ARGV[1])
 if not item then return 0 end
@@ -164,7 +165,7 @@ class ProducerStats:
     prompts_refused: int = 0
     paced_waits: int = 0
     prompts_reclaimed: int = 0  # in-flight prompts of a dead incarnation or peer handed back to the cursor
-    leases_lost: int = 0  # groups put after a peer had already reclaimed them (this producer stalled past its lease)
+    leases_lost: int = 0  # renewals that found the lease expired (this producer stalled past lease_ttl_s)
 
 
 @dataclass(frozen=True)
@@ -303,11 +304,7 @@ class Producer:
                      args=[slot.group_id, int(hand_back)])
 
     def _mark_put(self, slot: Slot) -> None:
-        if not int(self._put_done(keys=[self.inflight_key, self.keys.group_slots], args=[slot.group_id])):
-            self.stats.leases_lost += 1
-            log.warning("producer %s: group %s was reclaimed by another producer while it ran (lease of %.1fs "
-                        "expired); its prompt will be generated twice", self.name, slot.group_id,
-                        self.cfg.lease_ttl_s)
+        self._put_done(keys=[self.inflight_key, self.keys.group_slots], args=[slot.group_id])
 
     # ---- the lease: who may reclaim whose in-flight groups ---------------------------------------------------------
 
@@ -357,9 +354,15 @@ class Producer:
 
     def _renew_lease(self) -> None:
         pipe = self.queue.redis.pipeline(transaction=True)
-        pipe.set(self.lease_key, "1", px=int(self.cfg.lease_ttl_s * 1000))
+        pipe.set(self.lease_key, "1", px=int(self.cfg.lease_ttl_s * 1000), get=True)
         pipe.sadd(self.keys.producers, self.name)
-        pipe.execute()
+        previous, _ = pipe.execute()
+        if previous is None:
+            # A peer may have handed back what this producer had in flight: those prompts will be generated twice.
+            self.stats.leases_lost += 1
+            log.warning("producer %s: its lease (%.1fs) had expired before this renewal; if a peer reclaimed its "
+                        "in-flight groups, their prompts are generated twice. Raise producer.lease_ttl_s if this "
+                        "producer stalls that long", self.name, self.cfg.lease_ttl_s)
 
     async def _heartbeat(self) -> None:
         # Three renewals per TTL: one late renewal (a GC pause, a slow Redis) does not make this producer look dead.
