@@ -107,3 +107,68 @@ def test_sluice_run_with_two_expert_parallel_trainer_ranks(tmp_path: Path) -> No
     finally:
         handle.close(stop_server=True)
     assert sorted(p.name for p in (run_dir / "logs").glob("trainer-*.log")) == ["trainer-0.log", "trainer-1.log"]
+
+
+def test_sluice_run_with_many_stale_drops_and_a_killed_producer_completes(tmp_path: Path) -> None:
+    """One prompt in three is slow to score, so its group arrives several pushes late and is dropped; a producer is
+    SIGKILLed with groups in flight. Each such group would keep its pacing slot for good with slots given back only on
+    engine failures: past max_lag * batch_groups = 4 of them, producers could start nothing and the trainer would
+    wait forever. The run must finish every step, account for every sample, and the restarted producer must hand
+    back what its killed predecessor had in flight."""
+    steps = 16
+    run_dir = tmp_path / "stale"
+    fixtures = ROOT / "tests" / "fixtures"
+    cmd = [sys.executable, "-m", "pipeline.cli", "run", "recipes/cpu-moe.toml", "--run-dir", str(run_dir),
+           "--steps", str(steps), "--set", "trainer.checkpoint_every=4", "--set", "staleness.action=drop",
+           "--set", "staleness.max_lag=1", "--set", "trainer.batch_groups=4", "--set", "producers=2",
+           "--set", "producer.concurrency=4", "--set", "producer.reward=pacing_rewards:one_in_three_slow",
+           "--set", "prompts.task=addition", "--set", "prompts.digits=2", "--set", "prompts.size=1000",
+           "--set", "eval.enabled=false", "--set", "queue.archive.enabled=false",
+           # A lease far longer than the run: the restarted producer-0 itself must hand its leftovers back (a peer
+           # taking them after lease expiry is tested in test_pacing.py).
+           "--set", "producer.lease_ttl_s=600"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(fixtures), str(ROOT)]))
+    out = open(tmp_path / "launcher.log", "wb")  # noqa: SIM115 - the child keeps it
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    launcher = psutil.Process(proc.pid)
+    try:
+        deadline = time.monotonic() + 300
+        while len(_steps(run_dir)) < 4:
+            assert proc.poll() is None, (tmp_path / "launcher.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "no training progress"
+            time.sleep(0.1)
+        handle = open_run(run_dir=run_dir)
+        try:
+            inflight = handle.queue.keys.producer_inflight("producer-0")
+            while not handle.queue.redis.hlen(inflight):
+                assert time.monotonic() < deadline, "producer-0 never had a group in flight"
+                time.sleep(0.02)
+            victim = next(p for p in launcher.children(recursive=True)
+                          if "producer-0" in p.cmdline() and "pipeline.processes" in p.cmdline())
+            victim.send_signal(signal.SIGKILL)  # started by our launcher
+        finally:
+            handle.close()
+        # With leaked slots this never returns: the trainer waits for groups no producer may start.
+        assert proc.wait(timeout=600) == 0, (tmp_path / "launcher.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        out.close()
+
+    rows = _steps(run_dir)
+    dropped = sum(r["staleness/groups_drop"] for r in rows)
+    released = sum(r["pacing/slots_released"] for r in rows)
+    print(f"stale groups dropped {dropped:.0f}, slots released {released:.0f} over {len(rows)} steps")
+    assert dropped > 4 and released >= dropped  # more drops than the budget could ever absorb without release
+    producer_log = (run_dir / "logs" / "producer-0.log").read_text()
+    assert "a previous run of this producer left in flight" in producer_log
+    handle = open_run(run_dir=run_dir)
+    try:
+        audit = audit_trainer(handle.queue, run_dir)
+        print("audit:", audit)
+        assert audit.committed_step == steps and audit.duplicates == 0 and audit.lost == 0 and audit.pending == 0
+        assert audit.stale > 0 and audit.trained > 0
+    finally:
+        handle.close(stop_server=True)
+    assert not [p for p in psutil.process_iter(["cmdline"]) if str(run_dir) in " ".join(p.info["cmdline"] or [])]
