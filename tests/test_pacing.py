@@ -17,7 +17,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+from conftest import make_group
 from engines import REPO_ROOT, EngineProcess
 
 from pipeline.consumers.drain import Batch, Drainer
@@ -219,3 +221,39 @@ def test_a_killed_producers_in_flight_prompts_come_back(
     # A clean stop gives the lease up and leaves nothing in flight.
     assert not queue.redis.exists(queue.keys.producer_lease(producer.name))
     assert not queue.redis.exists(queue.keys.producer_inflight(producer.name))
+
+
+def test_a_restarted_trainer_decides_again_but_gives_no_slot_back_twice(queue: SampleQueue, tmp_path: Path,
+                                                                       model_dir: Path) -> None:
+    """Slot records made by the producer's own scripts; a drain, a trainer crash before the commit, a recovery."""
+    producer = make_producer(queue, "http://127.0.0.1:9", model_dir, name="p0",
+                             pacing=Pacing(max_lag=0, batch_groups=4), reward=varied_reward)
+    rng = np.random.default_rng(0)
+    groups = []
+    for version in (0, 0, 3, 3):  # two stale at version 3, two fresh
+        slot = producer._take()
+        assert slot is not None
+        group = make_group(rng, 2, version=version)
+        for s in group:
+            s.group_id, s.producer = slot.group_id, "p0"
+        queue.put(group)
+        producer._mark_put(slot)
+        groups.append(group)
+    assert slots_held(queue) == 4 and queue.redis.hlen(queue.keys.group_slots) == 4
+    ledger = Ledger(tmp_path / "ledger")
+    stale_drop = StalenessConfig(max_lag=0, action="drop")
+    first = Drainer(queue, ledger, stale_drop, block_ms=10)
+    first.recover()
+    batch = first.next_batch(2, step=0, version=lambda: 3)
+    assert len(batch.groups) == 2 and batch.slots.released == 2 and slots_held(queue) == 2
+
+    # The trainer dies before its commit; a new one re-reads the same four pending entries and judges them again.
+    again = Drainer(queue, Ledger(tmp_path / "ledger"), stale_drop, block_ms=10)
+    assert again.recover().to_redo == 4
+    redo = again.next_batch(2, step=0, version=lambda: 3)
+    assert len(redo.groups) == 2 and redo.counts.groups_drop == 2
+    assert redo.slots.released == 0 and slots_held(queue) == 2  # the dropped groups' slots went back once only
+    # The commit acks the four entries: the trained groups keep their slots, and no record is left behind.
+    again.ack(redo.consumed)
+    assert queue.pending_ids("trainer") == [] and slots_held(queue) == 2
+    assert not queue.redis.hlen(queue.keys.group_slots) and not queue.redis.exists(producer.inflight_key)
