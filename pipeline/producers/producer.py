@@ -237,6 +237,7 @@ class Producer:
         cancels the groups in flight, hands their prompts back, and propagates.
         """
         await asyncio.to_thread(self.start_lease)
+        await asyncio.to_thread(self.reclaim_dead_peers)  # a peer that died while none of us ran
         tasks: set[asyncio.Task[None]] = set()
         heartbeat = asyncio.create_task(self._heartbeat())
         try:
