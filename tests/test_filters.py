@@ -61,6 +61,7 @@ def test_zero_variance_filter_drops_exactly_the_constant_groups_and_keeps_drawin
     # The four filtered groups gave their slots back at drain time; the trained ones keep theirs.
     assert batch.slots.released == 4 and int(queue.redis.get(queue.keys.groups_started)) == len(groups) - 4
     assert batch.drain_metrics()["pacing/slots_released"] == 4.0
+    assert batch.counts.groups_train == 3 and len(batch.lags) == 3  # the staleness counters count trained groups
     # Without the filter the same stream gives the first three groups, constant ones included.
     queue.create_group("plain", "0")
     plain = Drainer(queue, Ledger(tmp_path / "plain"), FRESH, group="plain", block_ms=10).next_batch(

@@ -153,15 +153,17 @@ class Batch:
         self.lines += [LedgerLine(s.sample_id, entry_id, "invalid", step, current) for s in judged.invalid]
         if judged.decision is None:
             return
-        self.counts.record(judged.decision)
-        self.lags.append(judged.decision.lag)
+        if judged.fate == "filtered":
+            # Counted under filter/ only: staleness/groups_train stays the number of groups actually trained.
+            assert judged.filtered_by is not None
+            self.filters.record(judged.filtered_by, len(judged.valid))
+        else:
+            self.counts.record(judged.decision)
+            self.lags.append(judged.decision.lag)
         if judged.fate == "trained":
             self.groups.append(judged.valid)
             self.group_entries.append(entry_id)
             return
-        if judged.fate == "filtered":
-            assert judged.filtered_by is not None
-            self.filters.record(judged.filtered_by, len(judged.valid))
         self.lines += [LedgerLine(s.sample_id, entry_id, judged.fate, step, current) for s in judged.valid]
 
     def drain_metrics(self) -> dict[str, float]:
