@@ -285,7 +285,7 @@ class Producer:
             task.result()
 
     def _take(self) -> Slot | None:
-        """Admit a group under pacing and take its prompt, atomically; None means wait for a weight push."""
+        """Admit a group under pacing and take its prompt, atomically; None: wait for a push or a slot given back."""
         group_id = uuid.uuid4().hex
         pacing = self.pacing or Pacing(max_lag=0, batch_groups=1)  # unpaced: the numbers are not looked at
         got = self._take_script(
