@@ -217,7 +217,7 @@ def test_policy_gradient_raises_high_advantage_responses(tiny: tuple[Path, Model
     assert history[0]["num_tokens"] == sum(s.num_response_tokens for g in groups for s in g
                                            if s.status == SampleStatus.COMPLETED)
     state = trainer.state_dict()
-    assert state == {"steps": 3, "samples_trained": 33, "tokens_trained": 3 * int(history[0]["num_tokens"]),
+    assert state == {"steps": 3, "optimizer_steps": 3, "samples_trained": 33, "tokens_trained": 3 * int(history[0]["num_tokens"]),
                      "unreplayed_samples": 3}
     trainer.load_state_dict({**state, "steps": 10})
     assert trainer.state_dict()["steps"] == 10

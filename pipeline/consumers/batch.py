@@ -325,10 +325,12 @@ def _collate_routing(
     return routing, has
 
 
-def split_micro_batches(
-    batch: TrainBatch, *, max_samples: int, max_tokens: int | None = None, pad_multiple: int = 1
-) -> list[TrainBatch]:
-    """Split into micro-batches of at most ``max_samples`` rows and ``max_tokens`` padded tokens (rows x length).
+def split_rows(
+    batch: TrainBatch, *, max_samples: int, max_tokens: int | None = None, pad_multiple: int = 1,
+    rows: Sequence[int] | None = None,
+) -> list[list[int]]:
+    """Row indices of micro-batches of at most ``max_samples`` rows and ``max_tokens`` padded tokens (rows x length),
+    over ``rows`` (default: all, in order).
 
     Row order is kept, except that on a MoE batch samples without routing go after those with it, so only the
     micro-batches that hold them lose replay. A single sample longer than ``max_tokens`` forms a micro-batch alone.
@@ -338,10 +340,11 @@ def split_micro_batches(
     if max_tokens is not None and max_tokens < 1:
         raise ConfigError(f"max_tokens={max_tokens}; it must be >= 1 or None")
     lengths = batch.attention_mask.sum(-1).tolist()
-    runs = [list(range(batch.num_rows))]
+    order = list(range(batch.num_rows)) if rows is None else list(rows)
+    runs = [order]
     if batch.routing is not None and not batch.all_routed:
         routed = batch.has_routing.tolist()
-        runs = [[b for b in runs[0] if routed[b]], [b for b in runs[0] if not routed[b]]]
+        runs = [[b for b in order if routed[b]], [b for b in order if not routed[b]]]
     chunks: list[list[int]] = []
     for run in runs:
         current: list[int] = []
@@ -357,6 +360,14 @@ def split_micro_batches(
             longest = grown
         if current:
             chunks.append(current)
+    return chunks
+
+
+def split_micro_batches(
+    batch: TrainBatch, *, max_samples: int, max_tokens: int | None = None, pad_multiple: int = 1
+) -> list[TrainBatch]:
+    """The micro-batches of :func:`split_rows`, each trimmed to its own longest row."""
+    chunks = split_rows(batch, max_samples=max_samples, max_tokens=max_tokens, pad_multiple=pad_multiple)
     return [batch.select(rows, pad_multiple=pad_multiple) for rows in chunks]
 
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.consumers.loss_config import LossConfig
+from pipeline.consumers.schedule import LRScheduleConfig
 
 
 class TrainStepConfig(BaseModel):
@@ -22,8 +25,18 @@ class TrainStepConfig(BaseModel):
     """Most samples in one forward/backward."""
     micro_batch_tokens: int | None = Field(default=None, ge=1, le=1 << 30)
     """Most padded tokens (rows x padded length) in one forward/backward; None = no token budget."""
+    mini_batches: int = Field(default=1, ge=1, le=4096)
+    """Optimizer steps per drained batch: its samples are shuffled and split into this many mini-batches. With more
+    than one, the decoupled ratio current/proximal moves away from 1 after the first, and the PPO clip acts."""
+    epochs: int = Field(default=1, ge=1, le=64)
+    """Passes over each drained batch (each split into ``mini_batches``); proximal log-probs are computed once."""
     lr: float = Field(default=1e-6, gt=0.0, le=1.0)
-    """AdamW learning rate."""
+    """Peak AdamW learning rate."""
+    lr_schedule: LRScheduleConfig = Field(default_factory=LRScheduleConfig)
+    """Warm-up and decay of the learning rate, over optimizer steps (trainer steps x epochs x mini_batches)."""
+    optimizer: Literal["auto", "local", "megatron"] = "auto"
+    """auto: megatron's DDP + distributed optimizer on CUDA, torch AdamW with an explicit all-reduce on CPU (fp32
+    master weights for bf16/fp16 parameters in both); local or megatron force one."""
     weight_decay: float = Field(default=0.0, ge=0.0, le=1.0)
     """AdamW decoupled weight decay."""
     adam_beta1: float = Field(default=0.9, ge=0.0, lt=1.0)

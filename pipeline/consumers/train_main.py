@@ -47,7 +47,7 @@ def build_rank(cfg: SluiceConfig, model_dir: Path) -> tuple[Any, Any, Any, Any]:
         reference = build_gpt_model(model_cfg, parallel, r3=cfg.trainer.r3)
         load_hf_into_megatron(reference, model_dir, model_cfg)
     step_cfg = cfg.trainer.model_copy(update={"pad_token_id": int(hf_config.get("pad_token_id") or 0)})
-    step = TrainStep(model, model_cfg, step_cfg, reference=reference)
+    step = TrainStep(model, model_cfg, step_cfg, reference=reference, total_steps=cfg.trainer.steps)
     return model_cfg, model, step.optimizer, step
 
 
@@ -68,7 +68,7 @@ def run_trainer(run_dir: Path, cfg: SluiceConfig, model_dir: Path,
 
         handle = open_run(run_dir=run_dir, redis_url=cfg.queue.redis_url, capacity=cfg.queue.capacity)
         ledger = Ledger(run_dir / "ledger")
-        source = Drainer(handle.queue, ledger, cfg.staleness, consumer="trainer-0",
+        source = Drainer(handle.queue, ledger, cfg.staleness, filters=cfg.filters, consumer="trainer-0",
                          block_ms=cfg.trainer.drain_block_ms, claim_idle_ms=cfg.queue.claim_idle_ms)
         clock = RedisClock(handle.queue)
         if engines:
@@ -129,7 +129,8 @@ def run_replay(cfg: SluiceConfig, model_dir: Path, source: Path, id_range: tuple
                                keep_checkpoints=cfg.trainer.keep_checkpoints, run_dir=out_dir)
     clock = LocalClock(start)
     trainer = Trainer(settings, model=model, optimizer=optimizer, step_fn=step, export_weights=lambda: iter(()),
-                      source=ReplaySource(open_records(source, id_range), cfg.staleness, ledger, clock),
+                      source=ReplaySource(open_records(source, id_range), cfg.staleness, ledger, clock,
+                                          filters=cfg.filters),
                       clock=clock, ledger=ledger,
                       dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size())
     try:

@@ -1,64 +1,63 @@
-"""One RL training step on a stock megatron-core ``GPTModel``: proximal recompute, R3 replay, loss, update, metrics.
+"""One RL training step on a stock megatron-core ``GPTModel``: proximal recompute, R3 replay, mini-batch PPO updates,
+metrics.
 
 ``TrainStep.step(groups)`` runs, per call:
 
-1. **proximal pass**: a no-grad forward of the current weights over every micro-batch (under REPLAY_FORWARD with the
-   samples' routing when R3 is on). Its log-probs are the decoupled objective's proximal policy (``loss.py``).
-   With ``measure_r3`` one more no-grad forward per micro-batch runs the other way (without replay when R3 is on,
-   with it when off), so the train/rollout mismatch is known both with and without replay, and the router's own
-   top-k choice (without replay) is compared with the samples' routing. With a KL penalty (``loss.kl_coef > 0``)
-   the frozen reference model (the starting weights) runs one more no-grad forward per micro-batch, replayed exactly
-   when the proximal forward is, so both score under the same routing.
-2. **training pass**: forward (replay again when on), ``policy_loss`` at the sampling temperature, backward; the
-   replay indices are cleared after each micro-batch, as megatron requires. Then the gradient all-reduce
-   (``allreduce_gradients``), global grad-norm clipping and the optimizer step.
-3. **metrics**, reduced over the data-parallel ranks.
+1. **proximal pass**: a no-grad forward of the current weights over the whole batch, in micro-batches (under
+   REPLAY_FORWARD with the samples' routing when R3 is on). Its log-probs are the decoupled objective's proximal
+   policy (``loss.py``), computed ONCE, before the first optimizer step. With ``measure_r3`` one more no-grad
+   forward per micro-batch runs the other way (without replay when R3 is on, with it when off), so the
+   train/rollout mismatch is known both with and without replay, and the router's own top-k choice is compared
+   with the samples' routing. With a KL penalty the frozen reference model runs one more no-grad forward per
+   micro-batch, replayed exactly when the proximal forward is.
+2. **updates**: ``epochs`` passes, each a seeded shuffle of the batch's samples split into ``mini_batches``
+   mini-batches; each mini-batch is one optimizer step (forward with replay, ``policy_loss`` at the sampling
+   temperature, backward per micro-batch, then the updater's gradient sync, clipping and step at the scheduled
+   learning rate). From the second mini-batch on the weights have moved, so the ratio current/proximal leaves 1 and
+   the PPO clip acts; with one mini-batch and one epoch the ratio is exactly 1 and only the importance weight
+   proximal/behaviour matters.
+3. **metrics**, reduced over the data-parallel ranks (``train_metrics.py``).
 
 Distributed contract (DP and EP over gloo or NCCL): every rank calls ``step`` (and ``compute_logprobs``) together,
 each with ITS OWN share of whole prompt groups (never a group split across ranks: GRPO normalises within a group).
-Ranks of one tensor-parallel group pass the same groups. :func:`shard_groups` gives the usual strided share. Loss
-terms are divided by counts over the GLOBAL batch (all-reduced before the training pass), so the summed gradient is
-the gradient of the global-batch loss whatever the split into ranks and micro-batches. Under expert parallelism
-every forward is a collective (token dispatch), so ranks pad their list of micro-batches with empty ones to the same
-length (and, for the ``allgather`` dispatcher, to the same shapes).
+Ranks of one tensor-parallel group pass the same groups. :func:`shard_groups` gives the usual strided share. Each
+optimizer step's loss terms are divided by counts over that mini-batch on ALL ranks (all-reduced before its
+forwards), so the summed gradient is the gradient of the global mini-batch loss whatever the split into ranks and
+micro-batches. Every rank makes the same number of optimizer steps (a rank whose share of a mini-batch is empty runs
+a placeholder micro-batch with no loss), and under expert parallelism, where every forward is a collective, ranks
+pad their micro-batch lists to the same length (and, for the ``allgather`` dispatcher, shapes).
 
 R3 fallback: a micro-batch in which some sample has no routing cannot be replayed; it runs with the router's own
-choice, and ``r3/unreplayed_samples`` / ``r3/unreplayed_micro_batches`` count it. The batch splitter puts samples
-without routing together so the others keep replay. Each micro-batch runs forward then backward before the next
-one's forward, and the replay indices stay set until its backward has finished, so a forward recomputed during
-backward (activation recomputation) replays the same experts under REPLAY_FORWARD; REPLAY_BACKWARD, megatron's queue
-for pipeline schedules that run several forwards before their backwards, is not needed.
+choice, and ``r3/unreplayed_samples`` / ``r3/unreplayed_micro_batches`` count it. The splitter puts samples without
+routing together so the others keep replay. Each micro-batch runs forward then backward before the next one's
+forward, and the replay indices stay set until its backward has finished, so a forward recomputed during backward
+(activation recomputation) replays the same experts under REPLAY_FORWARD.
 
-Routing agreement is measured with forward hooks on the routers, which see the routing map each router actually
-dispatched with, in every mode (free, replayed), instead of megatron's RECORD action, which does not record while
-replaying.
+Routing agreement is measured with forward hooks on the routers (``megatron/scoring.py``), which see the routing
+map each router actually dispatched with, in every mode, instead of megatron's RECORD action, which does not record
+while replaying.
 
 Reference model: the caller builds it like the policy (``build_gpt_model`` with the same layout and ``r3``) and
-loads the starting weights into it; the step freezes it and never checkpoints it (a resume rebuilds it from the model
-folder). megatron keeps one process-wide list of router-replay hooks, which building a model resets, so the step
-pins that list to the policy's hooks and swaps in the reference's only around the reference's forward.
+loads the starting weights into it; the step freezes it and never checkpoints it. megatron keeps one process-wide
+list of router-replay hooks, which building a model resets, so the step pins that list to the policy's hooks and
+swaps in the reference's only around the reference's forward.
 
-Metrics (all reduced over the data-parallel ranks): ``loss``, ``pg_loss``, ``entropy`` (aggregated as the loss;
-``kl_ref`` too, only when a reference is kept);
-the token means of ``policy_loss`` (``mismatch_k3`` against the proximal pass, ``policy_kl_k3``, ``clip_fraction``
-and its parts, ``is_weight_*``, ``masked_fraction``); ``r3/agreement_no_replay`` (the router's own top-k vs the
-samples'), ``r3/agreement_train`` (the routing the training forward used vs the samples': 1.0 under R3),
-``r3/mismatch_k3_replay`` / ``r3/mismatch_k3_no_replay`` (k3 KL(rollout || trainer) over loss tokens),
-``r3/replayed_samples``, ``r3/unreplayed_samples``, ``r3/unreplayed_micro_batches``; counts (``num_tokens`` = loss
-tokens, ``num_samples``, ``num_trainable_samples``, ``num_groups``, ``padded_tokens``, ``micro_batches``),
-``reward_mean``, ``advantage_abs_mean``, ``grad_norm`` (before clipping), ``grad_norm_router``, ``grad_clip_coef``,
-``lr``, ``skipped_step`` and ``time/*`` / ``tokens_per_s``. A quantity that could not be measured (no routing, a
-dense model) is left out rather than reported as 0.
+Metrics: ``loss``, ``pg_loss``, ``entropy`` (``kl_ref`` too with a reference) as the mean per optimizer step; the
+token means of ``policy_loss`` over every update (``mismatch_k3`` against the proximal pass, ``policy_kl_k3``,
+``clip_fraction`` and its parts, ``is_weight_*``, ``masked_fraction``); the ``r3/*`` measurements; counts
+(``num_tokens`` = loss tokens of the batch, ``num_samples``, ``num_trainable_samples``, ``num_groups``,
+``padded_tokens``, ``micro_batches`` of the proximal pass, ``optimizer_steps``), ``reward_mean``,
+``advantage_abs_mean``, ``grad_norm`` (mean over the updates, before clipping) and ``grad_norm_max``,
+``grad_norm_router``, ``grad_clip_coef``, ``lr`` (of the last update), ``skipped_step`` (the fraction of updates
+skipped) and ``time/*`` / ``tokens_per_s``.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -71,26 +70,32 @@ from pipeline.consumers.batch import (
     collate,
     empty_like,
     split_micro_batches,
+    split_rows,
 )
 from pipeline.consumers.loss import LossConfig, kl_penalty, policy_loss
 from pipeline.consumers.megatron.config import ModelConfig
-from pipeline.consumers.megatron.model import (
-    allreduce_gradients,
-    forward_logits,
-    model_device,
+from pipeline.consumers.megatron.model import forward_logits, model_device
+from pipeline.consumers.megatron.router_replay import RouterReplay, topk_match
+from pipeline.consumers.megatron.scoring import (
+    RouterProbe,
+    install_replay_hooks,
+    replay_hooks,
+    replay_registry,
+    score_tokens,
 )
-from pipeline.consumers.megatron.router_replay import (
-    RouterReplay,
-    from_megatron_layers,
-    topk_match,
-)
+from pipeline.consumers.optim import Updater, build_updater
+from pipeline.consumers.schedule import lr_at
 from pipeline.consumers.train_config import TrainStepConfig
+from pipeline.consumers.train_metrics import Accumulator, final_metrics
 from pipeline.errors import ConfigError, SampleError
 from pipeline.queue.sample import Sample
 
 log = logging.getLogger(__name__)
 Tensor = torch.Tensor
 G = TypeVar("G")
+
+# Base seed of the mini-batch shuffles (offset by the step counter).
+_SHUFFLE_SEED = 0x51CE
 
 
 def shard_groups(groups: Sequence[G], dp_rank: int, dp_size: int) -> list[G]:
@@ -103,215 +108,6 @@ def shard_groups(groups: Sequence[G], dp_rank: int, dp_size: int) -> list[G]:
             "group per step. Raise the batch's group count or lower the number of trainer ranks"
         )
     return list(groups[dp_rank::dp_size])
-
-
-# --------------------------------------------------------------------------------------------------- metric reduction
-
-# Means over loss tokens that policy_loss reports per micro-batch; combined weighted by each micro-batch's tokens.
-_TOKEN_MEANS = (
-    "mismatch_k3",
-    "mismatch_k1",
-    "policy_kl_k3",
-    "clip_fraction",
-    "clip_high_fraction",
-    "clip_low_fraction",
-    "is_weight_mean",
-    "is_weight_applied_mean",
-    "masked_fraction",
-)
-# Loss terms already divided by the global count: they add up over micro-batches and ranks.
-_ADDITIVE = ("loss", "pg_loss", "entropy", "kl_ref")
-_COUNTS = (
-    "num_tokens",
-    "num_samples",
-    "num_trainable_samples",
-    "num_groups",
-    "padded_tokens",
-    "micro_batches",
-    "reward_sum",
-    "advantage_abs_sum",
-    "r3_replayed_samples",
-    "r3_unreplayed_samples",
-    "r3_unreplayed_micro_batches",
-    "agree_free_hits",
-    "agree_free_total",
-    "agree_train_hits",
-    "agree_train_total",
-    "mismatch_replay_sum",
-    "mismatch_replay_tokens",
-    "mismatch_free_sum",
-    "mismatch_free_tokens",
-)
-_SUMS = _ADDITIVE + tuple(f"w.{k}" for k in _TOKEN_MEANS) + _COUNTS
-_MAXES = ("is_weight_max", "neg.is_weight_min", "time/step_s")
-
-
-@dataclass
-class _Accumulator:
-    """Per-rank partial sums, maxima and minima; ``reduce`` combines them over the data-parallel ranks."""
-
-    sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(_SUMS, 0.0))
-    maxes: dict[str, float] = field(default_factory=lambda: dict.fromkeys(_MAXES, -math.inf))
-
-    def add(self, **values: float) -> None:
-        for key, value in values.items():
-            self.sums[key] += float(value)
-
-    def add_loss_metrics(self, metrics: dict[str, float]) -> None:
-        tokens = metrics.get("num_tokens", 0.0)
-        for key in _ADDITIVE:
-            self.sums[key] += metrics.get(key, 0.0)
-        if tokens > 0:
-            for key in _TOKEN_MEANS:
-                self.sums[f"w.{key}"] += metrics[key] * tokens
-            self.maxes["is_weight_max"] = max(self.maxes["is_weight_max"], metrics["is_weight_max"])
-            self.maxes["neg.is_weight_min"] = max(self.maxes["neg.is_weight_min"], -metrics["is_weight_min"])
-        self.sums["num_tokens"] += tokens
-
-    def reduce(self, group: Any) -> tuple[dict[str, float], dict[str, float]]:
-        sums = torch.tensor([self.sums[k] for k in _SUMS], dtype=torch.float64)
-        maxes = torch.tensor([self.maxes[k] for k in _MAXES], dtype=torch.float64)
-        if dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-            dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
-        return dict(zip(_SUMS, sums.tolist(), strict=True)), dict(zip(_MAXES, maxes.tolist(), strict=True))
-
-
-def _ratio(num: float, den: float) -> float | None:
-    return num / den if den > 0 else None
-
-
-def _final_metrics(sums: dict[str, float], maxes: dict[str, float], *, kl_ref: bool) -> dict[str, float]:
-    tokens = sums["num_tokens"]
-    out: dict[str, float] = {k: sums[k] for k in _ADDITIVE if kl_ref or k != "kl_ref"}
-    if tokens > 0:
-        out.update({k: sums[f"w.{k}"] / tokens for k in _TOKEN_MEANS})
-        out["is_weight_max"] = maxes["is_weight_max"]
-        out["is_weight_min"] = -maxes["neg.is_weight_min"]
-    for key in ("num_tokens", "num_samples", "num_trainable_samples", "num_groups", "padded_tokens", "micro_batches"):
-        out[key] = sums[key]
-    samples = sums["num_samples"]
-    if samples > 0:
-        out["reward_mean"] = sums["reward_sum"] / samples
-        out["advantage_abs_mean"] = sums["advantage_abs_sum"] / samples
-    out["r3/replayed_samples"] = sums["r3_replayed_samples"]
-    out["r3/unreplayed_samples"] = sums["r3_unreplayed_samples"]
-    out["r3/unreplayed_micro_batches"] = sums["r3_unreplayed_micro_batches"]
-    # Only what was measured: a dense model, or samples without routing, leave these out rather than invent zeros.
-    derived = {
-        "r3/agreement_no_replay": _ratio(sums["agree_free_hits"], sums["agree_free_total"]),
-        "r3/agreement_train": _ratio(sums["agree_train_hits"], sums["agree_train_total"]),
-        "r3/mismatch_k3_replay": _ratio(sums["mismatch_replay_sum"], sums["mismatch_replay_tokens"]),
-        "r3/mismatch_k3_no_replay": _ratio(sums["mismatch_free_sum"], sums["mismatch_free_tokens"]),
-    }
-    out.update({k: v for k, v in derived.items() if v is not None})
-    return out
-
-
-# ----------------------------------------------------------------------------------------------------------- scoring
-
-
-def _vocab_parallel_entropy(scaled: Tensor) -> Tensor:
-    """Entropy ``[B, T]`` of softmax(scaled) where the vocabulary may be split over the TP ranks."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.mappings import (
-        reduce_from_tensor_model_parallel_region,
-    )
-
-    split = ps.get_tensor_model_parallel_world_size() > 1
-    peak = scaled.detach().amax(-1, keepdim=True)
-    if split:
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
-    shifted = scaled - peak
-    weights = shifted.exp()
-    total, weighted = weights.sum(-1), (weights * shifted).sum(-1)
-    if split:
-        total = reduce_from_tensor_model_parallel_region(total)
-        weighted = reduce_from_tensor_model_parallel_region(weighted)
-    # H = -sum p log p with log p = shifted - log(total).
-    return total.log() - weighted / total
-
-
-def score_tokens(
-    logits: Tensor, targets: Tensor, temperatures: Tensor, *, entropy: bool = False, entropy_grad: bool = False
-) -> tuple[Tensor, Tensor | None]:
-    """Log-probs ``[B, T-1]`` of ``targets`` (and optionally entropy) from rank-local logits ``[B, T, V/tp]``.
-
-    Each row is scaled by its own sampling temperature: the engine reports log-probs of the distribution it sampled
-    from, so scoring at any other temperature would make every token look off-policy.
-    """
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-    scaled = logits[:, :-1].float() / temperatures.to(logits.device, torch.float32)[:, None, None]
-    ent = None
-    if entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            ent = _vocab_parallel_entropy(scaled)
-    # vocab_parallel_cross_entropy writes into its input, so it gets a private [seq, batch, vocab] copy.
-    private = scaled.transpose(0, 1).clone(memory_format=torch.contiguous_format)
-    nll = vocab_parallel_cross_entropy(private, targets.to(logits.device).transpose(0, 1).contiguous())
-    return -nll.transpose(0, 1), ent
-
-
-class _RouterProbe:
-    """Forward hooks on every MoE router that keep the experts it actually dispatched to (its routing map)."""
-
-    def __init__(self, model: Any, topk: int) -> None:
-        self.topk = topk
-        self.active = False
-        self._maps: list[Tensor] = []
-        routers = [layer.mlp.router for layer in model.decoder.layers if hasattr(layer.mlp, "router")]
-        self._handles = [router.register_forward_hook(self._hook) for router in routers]
-
-    def _hook(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
-        if self.active:
-            self._maps.append(output[1].detach())
-
-    def start(self) -> None:
-        self._maps = []
-        self.active = True
-
-    def take(self, batch: int) -> Tensor:
-        """The dispatched experts of the forward since ``start``, ``[batch, seq, layers, topk]``."""
-        self.active = False
-        layers = [m.float().topk(self.topk, dim=-1).indices.cpu() for m in self._maps]
-        self._maps = []
-        return from_megatron_layers(layers, batch)
-
-    def close(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-
-
-def _replay_hooks(model: Any) -> list[Any]:
-    """megatron's per-layer ``RouterReplay`` objects of ``model``, in layer order (empty without replay)."""
-    routers = [layer.mlp.router for layer in model.decoder.layers if hasattr(layer.mlp, "router")]
-    return [r.router_replay for r in routers if getattr(r, "router_replay", None) is not None]
-
-
-def _install_replay_hooks(hooks: list[Any]) -> list[Any]:
-    """Make ``hooks`` megatron's process-wide replay list; returns the list it held before."""
-    from megatron.core.transformer.moe.router_replay import RouterReplay as MegatronReplay
-
-    registry = MegatronReplay.global_router_replay_instances
-    saved = list(registry)
-    registry[:] = hooks
-    return saved
-
-
-@contextmanager
-def _replay_registry(hooks: list[Any]) -> Iterator[None]:
-    """Point megatron's process-wide replay list at ``hooks`` for the duration, then restore it.
-
-    megatron's static ``set_replay_data``/``set_global_router_replay_action`` act on that one list, so with two
-    models in the process the list decides which model a replay reaches.
-    """
-    saved = _install_replay_hooks(hooks)
-    try:
-        yield
-    finally:
-        _install_replay_hooks(saved)
 
 
 def _check_reference(model: torch.nn.Module, reference: torch.nn.Module) -> None:
@@ -360,17 +156,13 @@ class TrainStep:
         *,
         optimizer: torch.optim.Optimizer | None = None,
         reference: torch.nn.Module | None = None,
+        total_steps: int | None = None,
     ) -> None:
         self.model = model
         self.model_cfg = model_cfg
         self.cfg = cfg
-        self.optimizer = optimizer or torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad],
-            lr=cfg.lr,
-            betas=(cfg.adam_beta1, cfg.adam_beta2),
-            eps=cfg.adam_eps,
-            weight_decay=cfg.weight_decay,
-        )
+        self.updater: Updater = build_updater(model, cfg, optimizer)
+        self.total_optimizer_steps = None if total_steps is None else total_steps * cfg.epochs * cfg.mini_batches
         replay_capable = model_cfg.is_moe and bool(getattr(model.config, "moe_enable_routing_replay", False))
         if cfg.r3 and model_cfg.is_moe and not replay_capable:
             raise ConfigError(
@@ -381,14 +173,15 @@ class TrainStep:
             log.warning("r3=True is ignored: the model is dense, there is no routing to replay")
         if replay_capable:
             # Building another model (the reference, say) resets megatron's replay list; the policy's hooks go back.
-            _install_replay_hooks(_replay_hooks(model))
+            install_replay_hooks(replay_hooks(model))
         self._replay = RouterReplay.for_model(model_cfg) if replay_capable else None
         self.reference, self._reference_hooks = self._adopt_reference(reference)
-        self._probe = _RouterProbe(model, model_cfg.moe_topk) if model_cfg.is_moe else None
+        self._probe = RouterProbe(model, model_cfg.moe_topk) if model_cfg.is_moe else None
         self._routing_shape = (
             RoutingShape(model_cfg.num_layers, model_cfg.moe_topk, model_cfg.num_experts) if model_cfg.is_moe else None
         )
         self.steps = 0
+        self.optimizer_steps = 0
         self.samples_trained = 0
         self.tokens_trained = 0
         self.unreplayed_samples = 0
@@ -408,7 +201,7 @@ class TrainStep:
             log.warning("a reference model was passed but loss.kl_coef=0: it is ignored and not run")
             return None, []
         _check_reference(self.model, reference)
-        hooks = _replay_hooks(reference)
+        hooks = replay_hooks(reference)
         if self._replay is not None and self.cfg.r3 and len(hooks) != self.model_cfg.num_layers:
             raise ConfigError(
                 "r3=True with a KL penalty needs the reference built with build_gpt_model(..., r3=True) too, so it "
@@ -419,34 +212,34 @@ class TrainStep:
 
     # ------------------------------------------------------------------------------------------------- public surface
 
+    @property
+    def optimizer(self) -> Any:
+        """What a checkpoint saves beside the model: the torch, master-weight or megatron optimizer."""
+        return self.updater.optimizer
+
     def step(self, groups: Sequence[Sequence[Sample]]) -> dict[str, float]:
-        """Train on this rank's share of the global batch; returns metrics reduced over all data-parallel ranks."""
+        """Train on this rank's share of the global batch: one proximal pass, then ``epochs x mini_batches``
+        optimizer steps; returns metrics reduced over all data-parallel ranks."""
         start = time.perf_counter()
-        acc = _Accumulator()
-        micro = self._micro_batches(groups, acc)
-        norms = self._global_norms(micro)
-        t_prox = time.perf_counter()
-        proximal = [self._proximal_pass(mb, acc) for mb in micro]
+        acc = Accumulator()
+        batch = self._collate(groups)
+        acc.add(num_samples=batch.num_rows, num_trainable_samples=int(batch.trainable.sum()),
+                num_groups=len(groups), num_tokens=batch.num_loss_tokens, reward_sum=float(batch.rewards.sum()),
+                advantage_abs_sum=float(batch.advantages.abs().sum()))
+        proximal, reference = self._proximal(batch, acc)
         t_train = time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=True)
-        for mb, (prox, ref) in zip(micro, proximal, strict=True):
-            self._train_micro_batch(mb, prox, ref, norms, acc)
-        t_opt = time.perf_counter()
-        update = self._optimizer_step(skip=norms.tokens == 0)
+        updates = [self._update(batch, rows, proximal, reference, acc) for rows in self._mini_batch_rows(batch)]
         end = time.perf_counter()
         acc.maxes["time/step_s"] = end - start
         sums, maxes = acc.reduce(self._dp_group())
-        metrics = _final_metrics(sums, maxes, kl_ref=self.reference is not None)
-        metrics.update(update)
-        metrics.update(
-            {
-                "time/step_s": maxes["time/step_s"],
-                "time/proximal_s": t_train - t_prox,
-                "time/train_s": t_opt - t_train,
-                "time/optimizer_s": end - t_opt,
-                "tokens_per_s": sums["num_tokens"] / max(maxes["time/step_s"], 1e-9),
-            }
-        )
+        metrics = final_metrics(sums, maxes, kl_ref=self.reference is not None, updates=len(updates))
+        metrics.update(_update_metrics(updates))
+        metrics.update({
+            "time/step_s": maxes["time/step_s"],
+            "time/proximal_s": t_train - start,
+            "time/train_s": end - t_train,
+            "tokens_per_s": sums["num_tokens"] / max(maxes["time/step_s"], 1e-9),
+        })  # fmt: skip
         self._count_step(metrics)
         return metrics
 
@@ -482,6 +275,7 @@ class TrainStep:
         """Counters that live outside the model and optimizer (the checkpoint stores them beside those)."""
         return {
             "steps": self.steps,
+            "optimizer_steps": self.optimizer_steps,
             "samples_trained": self.samples_trained,
             "tokens_trained": self.tokens_trained,
             "unreplayed_samples": self.unreplayed_samples,
@@ -493,6 +287,8 @@ class TrainStep:
         if unknown:
             raise ConfigError(f"TrainStep state has unknown keys {sorted(unknown)}; was it written by another version?")
         self.steps = int(state.get("steps", 0))
+        # Checkpoints from before mini-batching made one optimizer step per step.
+        self.optimizer_steps = int(state.get("optimizer_steps", self.steps))
         self.samples_trained = int(state.get("samples_trained", 0))
         self.tokens_trained = int(state.get("tokens_trained", 0))
         self.unreplayed_samples = int(state.get("unreplayed_samples", 0))
@@ -525,19 +321,62 @@ class TrainStep:
             pad_multiple=self._sp()[1],
         )
 
-    def _micro_batches(self, groups: Sequence[Sequence[Sample]], acc: _Accumulator) -> list[TrainBatch]:
-        batch = self._collate(groups)
-        micro = self._split(batch)
-        acc.add(
-            num_samples=batch.num_rows,
-            num_trainable_samples=int(batch.trainable.sum()),
-            num_groups=len(groups),
-            reward_sum=float(batch.rewards.sum()),
-            advantage_abs_sum=float(batch.advantages.abs().sum()),
-            micro_batches=len(micro),
-            padded_tokens=sum(mb.num_rows * mb.seq_len for mb in micro),
-        )
-        return self._equalize(micro)
+    def _proximal(self, batch: TrainBatch, acc: Accumulator) -> tuple[Tensor, Tensor | None]:
+        """Row-indexed ``[B, T-1]`` proximal (and reference) log-probs of the whole batch, computed once before the
+        first optimizer step: every mini-batch's ratio current/proximal is then measured from the same weights."""
+        micro_rows = split_rows(batch, max_samples=self.cfg.micro_batch_samples, max_tokens=self.cfg.micro_batch_tokens,
+                                pad_multiple=self._sp()[1])
+        micro = self._equalize([batch.select(rows, pad_multiple=self._sp()[1]) for rows in micro_rows])
+        acc.add(micro_batches=len(micro), padded_tokens=sum(mb.num_rows * mb.seq_len for mb in micro))
+        proximal = torch.zeros(batch.num_rows, batch.seq_len - 1)
+        reference = None if self.reference is None else torch.zeros_like(proximal)
+        for i, mb in enumerate(micro):
+            prox, ref = self._proximal_pass(mb, acc)
+            if i >= len(micro_rows):
+                continue  # an EP placeholder
+            rows, cols = micro_rows[i], min(prox.shape[1], batch.seq_len - 1)
+            proximal[rows, :cols] = prox[: len(rows), :cols].float().cpu()
+            if reference is not None and ref is not None:
+                reference[rows, :cols] = ref[: len(rows), :cols].float().cpu()
+        return proximal, reference
+
+    def _mini_batch_rows(self, batch: TrainBatch) -> list[list[int]]:
+        """The rows of each optimizer step: per epoch a fresh seeded shuffle split into ``mini_batches`` parts.
+
+        Seeded by the step counter, which the checkpoint restores, so a resumed run repeats the same split. A part
+        may be empty on a rank with few rows; it still takes part in the step's collectives.
+        """
+        count, epochs = self.cfg.mini_batches, self.cfg.epochs
+        if count == 1 and epochs == 1:
+            return [list(range(batch.num_rows))]
+        generator = torch.Generator().manual_seed(_SHUFFLE_SEED + self.steps)
+        plan = []
+        for _ in range(epochs):
+            order = torch.randperm(batch.num_rows, generator=generator)
+            plan += [sorted(part.tolist()) for part in torch.tensor_split(order, count)]
+        return plan
+
+    def _update(self, batch: TrainBatch, rows: list[int], proximal: Tensor, reference: Tensor | None,
+                acc: Accumulator) -> dict[str, float]:
+        """One optimizer step on ``rows`` of the batch."""
+        pad = self._sp()[1]
+        micro_rows = split_rows(batch, max_samples=self.cfg.micro_batch_samples,
+                                max_tokens=self.cfg.micro_batch_tokens, pad_multiple=pad, rows=rows) if rows else []
+        micro = [batch.select(r, pad_multiple=pad) for r in micro_rows]
+        if not micro:
+            micro = [empty_like(batch, pad_token_id=self.cfg.pad_token_id)]
+        micro = self._equalize(micro)
+        norms = self._global_norms(micro)
+        self.updater.zero_grad()
+        for i, mb in enumerate(micro):
+            real = micro_rows[i] if i < len(micro_rows) else []
+            prox = _rows_of(proximal, real, mb)
+            ref = None if reference is None else _rows_of(reference, real, mb)
+            self._train_micro_batch(mb, prox, ref, norms, acc)
+        lr = lr_at(self.optimizer_steps, self.cfg.lr, self.cfg.lr_schedule, self.total_optimizer_steps)
+        update = self.updater.step(lr, skip=norms.tokens == 0)
+        self.optimizer_steps += 1
+        return update
 
     def _equalize(self, micro: list[TrainBatch]) -> list[TrainBatch]:
         """Under EP every forward is a collective: give all ranks as many micro-batches (and, for the allgather
@@ -570,7 +409,7 @@ class TrainStep:
             ],
             dtype=torch.float64,
         )
-        longest = torch.tensor([max(mb.seq_len - 1 for mb in real)], dtype=torch.int64)
+        longest = torch.tensor([max((mb.seq_len - 1 for mb in real), default=1)], dtype=torch.int64)
         group = self._dp_group()
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(counts, group=group)
@@ -652,7 +491,7 @@ class TrainStep:
         k3 = kl_penalty(mb.behaviour_logprobs, logprobs.detach().float().cpu(), "k3")
         return float(torch.where(mb.loss_mask, k3, 0.0).sum()), float(mb.loss_mask.sum())
 
-    def _proximal_pass(self, mb: TrainBatch, acc: _Accumulator) -> tuple[Tensor, Tensor | None]:
+    def _proximal_pass(self, mb: TrainBatch, acc: Accumulator) -> tuple[Tensor, Tensor | None]:
         """(proximal, reference or None) log-probs of ``mb`` (both replayed when R3 applies), plus the
         with/without-replay measurements."""
         replayed = self._replays(mb)
@@ -680,12 +519,12 @@ class TrainStep:
         reference). Every rank runs it for every micro-batch, padding included, as EP's collectives require."""
         if self.reference is None:
             return None
-        with _replay_registry(self._reference_hooks), torch.no_grad():
+        with replay_registry(self._reference_hooks), torch.no_grad():
             logprobs, _, _ = self._forward(mb, replay=replay and bool(self._reference_hooks), model=self.reference)
         return logprobs.detach()
 
     def _record_pass(
-        self, mb: TrainBatch, logprobs: Tensor, used: Tensor | None, *, replayed: bool, acc: _Accumulator
+        self, mb: TrainBatch, logprobs: Tensor, used: Tensor | None, *, replayed: bool, acc: Accumulator
     ) -> None:
         total, tokens = self._mismatch(logprobs, mb)
         if replayed:
@@ -697,7 +536,7 @@ class TrainStep:
             acc.add(agree_free_hits=hits, agree_free_total=pairs)
 
     def _train_micro_batch(
-        self, mb: TrainBatch, proximal: Tensor, reference: Tensor | None, norms: _Norms, acc: _Accumulator
+        self, mb: TrainBatch, proximal: Tensor, reference: Tensor | None, norms: _Norms, acc: Accumulator
     ) -> None:
         device = model_device(self.model)
         try:
@@ -725,66 +564,6 @@ class TrainStep:
             hits, pairs = self._agreement(used, mb)
             acc.add(agree_train_hits=hits, agree_train_total=pairs)
 
-    # ------------------------------------------------------------------------------------------------- the update
-
-    def _optimizer_step(self, *, skip: bool) -> dict[str, float]:
-        allreduce_gradients(self.model, scale=1.0)  # losses are already divided by global counts
-        norm = self._grad_norm()
-        router = self._router_grad_norm()
-        coef = 1.0
-        finite = math.isfinite(norm)
-        if not finite:
-            log.warning("gradient norm is %s; skipping this optimizer step (the batch's metrics still report)", norm)
-        if self.cfg.grad_clip is not None and finite and norm > self.cfg.grad_clip:
-            coef = self.cfg.grad_clip / (norm + 1e-6)
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            torch._foreach_mul_(grads, coef)
-        skipped = skip or not finite
-        if not skipped:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return {
-            "grad_norm": norm,
-            "grad_norm_router": router,
-            "grad_clip_coef": coef,
-            "lr": float(self.optimizer.param_groups[0]["lr"]),
-            "skipped_step": float(skipped),
-        }
-
-    def _grad_norm(self) -> float:
-        """L2 norm of the whole model's gradient: each distinct shard counted once, experts of every EP rank."""
-        from megatron.core import parallel_state as ps
-
-        dense = torch.zeros((), dtype=torch.float64)
-        expert = torch.zeros((), dtype=torch.float64)
-        tp_rank, etp_rank = ps.get_tensor_model_parallel_rank(), ps.get_expert_tensor_parallel_rank()
-        for param in self.model.parameters():
-            if param.grad is None:
-                continue
-            is_expert = not getattr(param, "allreduce", True)
-            # Replicated (non-TP) weights are identical on every TP rank after the all-reduce; count them once.
-            if not getattr(param, "tensor_model_parallel", False) and (etp_rank if is_expert else tp_rank) != 0:
-                continue
-            square = param.grad.detach().double().pow(2).sum().cpu()
-            if is_expert:
-                expert += square
-            else:
-                dense += square
-        for value, group in (
-            (dense, ps.get_tensor_model_parallel_group()),
-            (expert, ps.get_expert_tensor_and_model_parallel_group()),
-        ):
-            if dist.get_world_size(group) > 1:
-                dist.all_reduce(value, group=group)
-        return float((dense + expert).sqrt())
-
-    def _router_grad_norm(self) -> float:
-        total = 0.0
-        for name, param in self.model.named_parameters():
-            if ".router." in name and param.grad is not None:
-                total += float(param.grad.detach().double().pow(2).sum())
-        return math.sqrt(total)
-
     def _dp_group(self) -> Any:
         from megatron.core import parallel_state as ps
 
@@ -792,7 +571,30 @@ class TrainStep:
 
     def _count_step(self, metrics: dict[str, float]) -> None:
         self.steps += 1
-        if not metrics["skipped_step"]:
+        if metrics["skipped_step"] < 1.0:
             self.samples_trained += int(metrics["num_trainable_samples"])
             self.tokens_trained += int(metrics["num_tokens"])
         self.unreplayed_samples += int(metrics["r3/unreplayed_samples"])
+
+
+def _rows_of(full: Tensor, rows: list[int], mb: TrainBatch) -> Tensor:
+    """``full``'s values for the real rows of micro-batch ``mb``, shaped like its per-column tensors (zeros for
+    padding rows and columns)."""
+    out = torch.zeros(mb.num_rows, mb.seq_len - 1)
+    cols = min(mb.seq_len, full.shape[1] + 1) - 1
+    if rows:
+        out[: len(rows), :cols] = full[rows, :cols]
+    return out
+
+
+def _update_metrics(updates: list[dict[str, float]]) -> dict[str, float]:
+    """The optimizer steps of one drained batch: means, the largest gradient norm, the last learning rate."""
+    n = len(updates)
+    return {
+        "grad_norm": sum(u["grad_norm"] for u in updates) / n,
+        "grad_norm_max": max(u["grad_norm"] for u in updates),
+        "grad_norm_router": sum(u["grad_norm_router"] for u in updates) / n,
+        "grad_clip_coef": sum(u["grad_clip_coef"] for u in updates) / n,
+        "lr": updates[-1]["lr"],
+        "skipped_step": sum(u["skipped_step"] for u in updates) / n,
+    }

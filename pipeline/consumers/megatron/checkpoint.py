@@ -39,6 +39,18 @@ def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
+def _model_params(optimizer: Any) -> list[torch.Tensor]:
+    """The model parameters the optimizer's states belong to, in its order: the masters' models under fp32 master
+    weights (``MasterWeightOptimizer.checkpoint_params``), the optimizer's own parameters otherwise."""
+    params = getattr(optimizer, "checkpoint_params", None)
+    return list(params) if params is not None else _optimizer_params(optimizer)
+
+
+def _is_megatron_optimizer(optimizer: Any) -> bool:
+    # megatron's optimizers shard their own state (the distributed optimizer's fp32 masters and moments).
+    return hasattr(optimizer, "sharded_state_dict") and hasattr(optimizer, "get_grad_norm")
+
+
 def _sharded_optimizer_state(optimizer: torch.optim.Optimizer, model_sharded: dict[str, Any]) -> dict[str, Any]:
     from megatron.core.dist_checkpointing.optimizer import (
         get_param_id_to_sharded_param_map,
@@ -49,7 +61,7 @@ def _sharded_optimizer_state(optimizer: torch.optim.Optimizer, model_sharded: di
     steps = {float(s["step"]) for s in state["state"].values() if "step" in s}
     if len(steps) > 1:
         raise ConfigError(f"optimizer parameters are at different steps {sorted(steps)}; cannot save one shared step")
-    id_map = get_param_id_to_sharded_param_map(model_sharded, _optimizer_params(optimizer))
+    id_map = get_param_id_to_sharded_param_map(model_sharded, _model_params(optimizer))
     missing = set(state["state"]) - set(id_map)
     if missing:
         raise ConfigError(f"{len(missing)} optimizer parameters do not belong to the model being checkpointed")
@@ -81,11 +93,13 @@ def _materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         p.grad = grad
 
 
-def _sharded_state(model: Any, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+def _sharded_state(model: Any, optimizer: Any | None, *, loading: bool = False) -> dict[str, Any]:
     # model is a megatron MegatronModule (GPTModel), whose sharded_state_dict describes each rank's shards.
     model_sharded = model.sharded_state_dict()
     state: dict[str, Any] = {"model": model_sharded}
-    if optimizer is not None:
+    if optimizer is not None and _is_megatron_optimizer(optimizer):
+        state["optimizer"] = optimizer.sharded_state_dict(model_sharded, is_loading=loading)
+    elif optimizer is not None:
         state["optimizer"] = _sharded_optimizer_state(optimizer, model_sharded)
     return state
 
@@ -138,11 +152,14 @@ def load_checkpoint(
     from megatron.core import dist_checkpointing
 
     meta = read_checkpoint_meta(directory)
-    if optimizer is not None:
+    megatron_optimizer = optimizer is not None and _is_megatron_optimizer(optimizer)
+    if optimizer is not None and not megatron_optimizer:
         _materialize_optimizer_state(optimizer)
-    loaded = dist_checkpointing.load(_sharded_state(model, optimizer), str(directory))
+    loaded = dist_checkpointing.load(_sharded_state(model, optimizer, loading=True), str(directory))
     model.load_state_dict(loaded["model"], strict=True)
-    if optimizer is not None:
+    if megatron_optimizer:
+        optimizer.load_state_dict(loaded["optimizer"])  # type: ignore[union-attr]
+    elif optimizer is not None:
         _load_optimizer(optimizer, loaded["optimizer"])
     return meta
 

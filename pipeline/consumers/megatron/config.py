@@ -220,8 +220,9 @@ def _layout_problems(model: ModelConfig, parallel: ParallelConfig) -> list[str]:
                 "MoE with tp > 1 needs sequence parallelism, which needs TransformerEngine or Apex norms that do "
                 "not exist on CPU; use ep for experts and tp=1 on CPU"
             )
-        if model.dtype != "float32":
-            problems.append(f"dtype={model.dtype} on CPU: megatron's CPU path is tested in float32 only; set float32")
+        if model.dtype == "float16":
+            problems.append("dtype=float16 on CPU: fp16 needs loss scaling, which sluice does only through megatron's "
+                            "optimizer on CUDA; use float32 (or bfloat16, with fp32 master weights) on CPU")
     return problems
 
 
