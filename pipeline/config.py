@@ -7,6 +7,7 @@ starts, and unknown keys are errors, so a typo in a recipe never silently falls 
 from __future__ import annotations
 
 import json
+import logging
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -22,6 +23,8 @@ from pipeline.consumers.train_config import TrainStepConfig
 from pipeline.errors import ConfigError
 from pipeline.producers.producer import ProducerConfig
 from pipeline.producers.prompts import PromptConfig
+
+log = logging.getLogger(__name__)
 
 
 class _Strict(BaseModel):
@@ -145,6 +148,10 @@ class SluiceConfig(_Strict):
 
     run: RunConfig = RunConfig()
     """Identity and location of the run."""
+    mode: Literal["async", "sync"] = "async"
+    """async: producers generate ahead within staleness.max_lag while the trainer trains; sync: on-policy, the same
+    code with staleness.max_lag = 0, so producers stop admitting once a step's groups are started and wait, idle,
+    through the step and the weight push that follows it."""
     model: ModelSource = ModelSource()
     """The starting model."""
     engine: EngineConfig = EngineConfig()
@@ -169,6 +176,20 @@ class SluiceConfig(_Strict):
     """Evaluation consumer."""
     warmstart: WarmStartConfig = WarmStartConfig()
     """Supervised warm start (SFT) before RL; `sluice sft` runs it alone."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sync_is_on_policy(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("mode") != "sync":
+            return data
+        staleness = data.get("staleness")
+        staleness = dict(staleness) if isinstance(staleness, dict) else {}
+        lag = staleness.get("max_lag", 0)
+        if lag != 0:
+            log.warning("mode = 'sync' is on-policy: staleness.max_lag = %s is replaced by 0 (use mode = 'async' to "
+                        "train off-policy)", lag)
+        staleness["max_lag"] = 0
+        return {**data, "staleness": staleness}
 
     @model_validator(mode="after")
     def _cross_checks(self) -> SluiceConfig:

@@ -57,7 +57,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -72,18 +71,9 @@ from pipeline.consumers.batch import (
     split_micro_batches,
     split_rows,
 )
-from pipeline.consumers.loss import LossConfig, kl_penalty, policy_loss
 from pipeline.consumers.megatron.config import ModelConfig
-from pipeline.consumers.megatron.model import forward_logits, model_device
-from pipeline.consumers.megatron.router_replay import RouterReplay, topk_match
-from pipeline.consumers.megatron.scoring import (
-    RouterProbe,
-    install_replay_hooks,
-    replay_hooks,
-    replay_registry,
-    score_tokens,
-)
 from pipeline.consumers.optim import Updater, build_updater
+from pipeline.consumers.passes import Norms, Passes
 from pipeline.consumers.schedule import lr_at
 from pipeline.consumers.train_config import TrainStepConfig
 from pipeline.consumers.train_metrics import Accumulator, final_metrics
@@ -108,31 +98,6 @@ def shard_groups(groups: Sequence[G], dp_rank: int, dp_size: int) -> list[G]:
             "group per step. Raise the batch's group count or lower the number of trainer ranks"
         )
     return list(groups[dp_rank::dp_size])
-
-
-def _check_reference(model: torch.nn.Module, reference: torch.nn.Module) -> None:
-    if reference is model:
-        raise ConfigError(
-            "the reference model is the policy model itself; build a second model (build_gpt_model with the same "
-            "layout) and load the starting weights into it"
-        )
-    policy = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    ref = {name: tuple(p.shape) for name, p in reference.named_parameters()}
-    if policy != ref:
-        diff = sorted(set(policy.items()) ^ set(ref.items()))[:4]
-        raise ConfigError(
-            f"the reference model's parameters differ from the policy's (first differences: {diff}); build it with "
-            "the same ModelConfig and ParallelConfig as the policy"
-        )
-
-
-@dataclass(frozen=True)
-class _Norms:
-    """Global-batch counts that make micro-batch and per-rank losses add up to the global-batch loss."""
-
-    tokens: float
-    normalizer: float
-    loss_cfg: LossConfig
 
 
 # ---------------------------------------------------------------------------------------------------------- the step
@@ -163,20 +128,8 @@ class TrainStep:
         self.cfg = cfg
         self.updater: Updater = build_updater(model, cfg, optimizer)
         self.total_optimizer_steps = None if total_steps is None else total_steps * cfg.epochs * cfg.mini_batches
-        replay_capable = model_cfg.is_moe and bool(getattr(model.config, "moe_enable_routing_replay", False))
-        if cfg.r3 and model_cfg.is_moe and not replay_capable:
-            raise ConfigError(
-                "r3=True needs a model built with build_gpt_model(..., r3=True) (megatron's "
-                "moe_enable_routing_replay); rebuild the model or set r3=false"
-            )
-        if cfg.r3 and not model_cfg.is_moe:
-            log.warning("r3=True is ignored: the model is dense, there is no routing to replay")
-        if replay_capable:
-            # Building another model (the reference, say) resets megatron's replay list; the policy's hooks go back.
-            install_replay_hooks(replay_hooks(model))
-        self._replay = RouterReplay.for_model(model_cfg) if replay_capable else None
-        self.reference, self._reference_hooks = self._adopt_reference(reference)
-        self._probe = RouterProbe(model, model_cfg.moe_topk) if model_cfg.is_moe else None
+        self.passes = Passes(model, model_cfg, cfg, reference)
+        self.reference = self.passes.reference
         self._routing_shape = (
             RoutingShape(model_cfg.num_layers, model_cfg.moe_topk, model_cfg.num_experts) if model_cfg.is_moe else None
         )
@@ -185,30 +138,6 @@ class TrainStep:
         self.samples_trained = 0
         self.tokens_trained = 0
         self.unreplayed_samples = 0
-
-    def _adopt_reference(self, reference: torch.nn.Module | None) -> tuple[torch.nn.Module | None, list[Any]]:
-        """(the frozen reference or None, its replay hooks): checks it fits the config and the policy."""
-        kl_coef = self.cfg.loss.kl_coef
-        if reference is None:
-            if kl_coef > 0:
-                raise ConfigError(
-                    f"loss.kl_coef={kl_coef} needs a reference model to take the KL against: pass reference= (a "
-                    "second build_gpt_model like the policy, loaded with the starting weights), or set loss.kl_coef=0"
-                )
-            return None, []
-        if kl_coef == 0:
-            # Keeping it would cost a forward per micro-batch for a term that is multiplied by 0.
-            log.warning("a reference model was passed but loss.kl_coef=0: it is ignored and not run")
-            return None, []
-        _check_reference(self.model, reference)
-        hooks = replay_hooks(reference)
-        if self._replay is not None and self.cfg.r3 and len(hooks) != self.model_cfg.num_layers:
-            raise ConfigError(
-                "r3=True with a KL penalty needs the reference built with build_gpt_model(..., r3=True) too, so it "
-                "scores under the same replayed routing as the policy; rebuild the reference or set r3=false"
-            )
-        reference.requires_grad_(False)
-        return reference, hooks
 
     # ------------------------------------------------------------------------------------------------- public surface
 
@@ -249,7 +178,7 @@ class TrainStep:
         ``replay`` pins the MoE routing to the samples' own; every sample must then carry routing. Collective under
         expert parallelism: all ranks call it together (each with its own groups).
         """
-        if replay and self._replay is None:
+        if replay and not self.passes.replay_capable:
             raise ConfigError(
                 "compute_logprobs(replay=True) needs a MoE model built with build_gpt_model(..., r3=True); "
                 "use replay=False for this model"
@@ -267,7 +196,7 @@ class TrainStep:
         out: list[np.ndarray] = []
         with torch.no_grad():
             for mb in micro:
-                logprobs, _, _ = self._forward(mb, replay=replay and mb.all_routed)
+                logprobs, _, _ = self.passes.forward(mb, replay=replay and mb.all_routed)
                 out.extend(mb.response_values(logprobs))
         return out
 
@@ -295,10 +224,7 @@ class TrainStep:
 
     def close(self) -> None:
         """Remove the router hooks and leave megatron's router replay switched off."""
-        if self._probe is not None:
-            self._probe.close()
-        if self._replay is not None:
-            self._replay.off()
+        self.passes.close()
 
     # -------------------------------------------------------------------------------------------------- batching
 
@@ -309,7 +235,7 @@ class TrainStep:
             routing_shape=self._routing_shape,
             temperature=self.cfg.temperature,
             pad_token_id=self.cfg.pad_token_id,
-            pad_multiple=self._sp()[1],
+            pad_multiple=self.passes.sp()[1],
             failed_in_group_stats=self.cfg.failed_in_group_stats,
         )
 
@@ -318,20 +244,20 @@ class TrainStep:
             batch,
             max_samples=self.cfg.micro_batch_samples,
             max_tokens=self.cfg.micro_batch_tokens,
-            pad_multiple=self._sp()[1],
+            pad_multiple=self.passes.sp()[1],
         )
 
     def _proximal(self, batch: TrainBatch, acc: Accumulator) -> tuple[Tensor, Tensor | None]:
         """Row-indexed ``[B, T-1]`` proximal (and reference) log-probs of the whole batch, computed once before the
         first optimizer step: every mini-batch's ratio current/proximal is then measured from the same weights."""
         micro_rows = split_rows(batch, max_samples=self.cfg.micro_batch_samples, max_tokens=self.cfg.micro_batch_tokens,
-                                pad_multiple=self._sp()[1])
-        micro = self._equalize([batch.select(rows, pad_multiple=self._sp()[1]) for rows in micro_rows])
+                                pad_multiple=self.passes.sp()[1])
+        micro = self._equalize([batch.select(rows, pad_multiple=self.passes.sp()[1]) for rows in micro_rows])
         acc.add(micro_batches=len(micro), padded_tokens=sum(mb.num_rows * mb.seq_len for mb in micro))
         proximal = torch.zeros(batch.num_rows, batch.seq_len - 1)
         reference = None if self.reference is None else torch.zeros_like(proximal)
         for i, mb in enumerate(micro):
-            prox, ref = self._proximal_pass(mb, acc)
+            prox, ref = self.passes.proximal_pass(mb, acc)
             if i >= len(micro_rows):
                 continue  # an EP placeholder
             rows, cols = micro_rows[i], min(prox.shape[1], batch.seq_len - 1)
@@ -359,7 +285,7 @@ class TrainStep:
     def _update(self, batch: TrainBatch, rows: list[int], proximal: Tensor, reference: Tensor | None,
                 acc: Accumulator) -> dict[str, float]:
         """One optimizer step on ``rows`` of the batch."""
-        pad = self._sp()[1]
+        pad = self.passes.sp()[1]
         micro_rows = split_rows(batch, max_samples=self.cfg.micro_batch_samples,
                                 max_tokens=self.cfg.micro_batch_tokens, pad_multiple=pad, rows=rows) if rows else []
         micro = [batch.select(r, pad_multiple=pad) for r in micro_rows]
@@ -372,7 +298,7 @@ class TrainStep:
             real = micro_rows[i] if i < len(micro_rows) else []
             prox = _rows_of(proximal, real, mb)
             ref = None if reference is None else _rows_of(reference, real, mb)
-            self._train_micro_batch(mb, prox, ref, norms, acc)
+            self.passes.train_micro_batch(mb, prox, ref, norms, acc)
         lr = lr_at(self.optimizer_steps, self.cfg.lr, self.cfg.lr_schedule, self.total_optimizer_steps)
         update = self.updater.step(lr, skip=norms.tokens == 0)
         self.optimizer_steps += 1
@@ -398,7 +324,7 @@ class TrainStep:
             for mb, (rows, seq) in zip(micro, shapes.tolist(), strict=True)
         ]
 
-    def _global_norms(self, micro: list[TrainBatch]) -> _Norms:
+    def _global_norms(self, micro: list[TrainBatch]) -> Norms:
         """The loss denominators over the whole global batch (all micro-batches of all data-parallel ranks)."""
         real = [mb for mb in micro if any(mb.sample_ids)]
         counts = torch.tensor(
@@ -420,149 +346,7 @@ class TrainStep:
         if loss_cfg.aggregation == "constant_norm" and loss_cfg.norm_length is None:
             # Dr. GRPO's constant must not depend on how this rank's micro-batches happened to be padded.
             loss_cfg = loss_cfg.model_copy(update={"norm_length": int(longest)})
-        return _Norms(tokens=tokens, normalizer=max(normalizer, 1.0), loss_cfg=loss_cfg)
-
-    # ---------------------------------------------------------------------------------------------------- forwards
-
-    def _sp(self) -> tuple[int, int]:
-        """(rank, size) of the sequence-parallel split of the tokens the routers see."""
-        if not getattr(self.model.config, "sequence_parallel", False):
-            return 0, 1
-        from megatron.core import parallel_state as ps
-
-        return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-
-    def _replays(self, mb: TrainBatch) -> bool:
-        return self.cfg.r3 and self._replay is not None and mb.all_routed
-
-    def _forward(
-        self,
-        mb: TrainBatch,
-        *,
-        replay: bool,
-        grad: bool = False,
-        entropy: bool = False,
-        probe: bool = False,
-        model: torch.nn.Module | None = None,
-    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """(log-probs [B, T-1], entropy or None, dispatched routing [B, T, layers, topk] or None) of ``model``
-        (default: the policy); the probe watches the policy's routers only."""
-        model = self.model if model is None else model
-        device = model_device(model)
-        if self._replay is not None:
-            if replay:
-                assert mb.routing is not None  # replay is only requested for all-routed micro-batches
-                sp_rank, sp_size = self._sp()
-                self._replay.replay_forward(mb.routing, sp_rank=sp_rank, sp_size=sp_size)
-            else:
-                self._replay.off()
-        probing = probe and self._probe is not None
-        if probing:
-            self._probe.start()  # type: ignore[union-attr]
-        try:
-            with torch.set_grad_enabled(grad):
-                logits = forward_logits(model, mb.input_ids.to(device), mb.attention_mask.to(device))
-                logprobs, ent = score_tokens(
-                    logits,
-                    mb.targets,
-                    mb.temperatures,
-                    entropy=entropy,
-                    entropy_grad=self.cfg.loss.entropy_coef > 0,
-                )
-        finally:
-            if not grad and self._replay is not None:
-                self._replay.off()
-        used = self._probe.take(mb.num_rows) if probing else None  # type: ignore[union-attr]
-        return logprobs, ent, used
-
-    def _agreement(self, used: Tensor, mb: TrainBatch) -> tuple[float, float]:
-        """(matching (token, layer) top-k sets, pairs compared) of dispatched vs sample routing."""
-        assert mb.routing is not None
-        sp_rank, sp_size = self._sp()
-        chunk = mb.seq_len // sp_size
-        cols = slice(sp_rank * chunk, (sp_rank + 1) * chunk)
-        mask = mb.routing_mask[:, cols]
-        match = topk_match(used, mb.routing[:, cols])  # [B, T/sp, layers]
-        hits = (match & mask.unsqueeze(-1)).sum()
-        return float(hits), float(mask.sum()) * match.shape[-1]
-
-    def _mismatch(self, logprobs: Tensor, mb: TrainBatch) -> tuple[float, float]:
-        """(sum over loss tokens of k3 KL(behaviour || trainer), loss tokens)."""
-        k3 = kl_penalty(mb.behaviour_logprobs, logprobs.detach().float().cpu(), "k3")
-        return float(torch.where(mb.loss_mask, k3, 0.0).sum()), float(mb.loss_mask.sum())
-
-    def _proximal_pass(self, mb: TrainBatch, acc: Accumulator) -> tuple[Tensor, Tensor | None]:
-        """(proximal, reference or None) log-probs of ``mb`` (both replayed when R3 applies), plus the
-        with/without-replay measurements."""
-        replayed = self._replays(mb)
-        with torch.no_grad():
-            proximal, _, used = self._forward(mb, replay=replayed, probe=not replayed)
-            self._record_pass(mb, proximal, used, replayed=replayed, acc=acc)
-            reference = self._reference_pass(mb, replay=replayed)
-            if self.cfg.measure_r3 and self._replay is not None:
-                # Unconditional, so that every EP rank runs the same number of (collective) forwards.
-                other = not replayed and mb.all_routed
-                logprobs, _, used = self._forward(mb, replay=other, probe=not other)
-                if other or replayed:
-                    self._record_pass(mb, logprobs, used, replayed=other, acc=acc)
-        if any(mb.sample_ids):
-            real = sum(1 for s in mb.sample_ids if s)
-            key = "r3_replayed_samples" if replayed else "r3_unreplayed_samples"
-            if self.cfg.r3 and self._replay is not None:
-                acc.add(**{key: real})
-                if not replayed:
-                    acc.add(r3_unreplayed_micro_batches=1)
-        return proximal.detach(), reference
-
-    def _reference_pass(self, mb: TrainBatch, *, replay: bool) -> Tensor | None:
-        """The frozen reference's log-probs of ``mb`` under the same routing as the proximal pass (None without a
-        reference). Every rank runs it for every micro-batch, padding included, as EP's collectives require."""
-        if self.reference is None:
-            return None
-        with replay_registry(self._reference_hooks), torch.no_grad():
-            logprobs, _, _ = self._forward(mb, replay=replay and bool(self._reference_hooks), model=self.reference)
-        return logprobs.detach()
-
-    def _record_pass(
-        self, mb: TrainBatch, logprobs: Tensor, used: Tensor | None, *, replayed: bool, acc: Accumulator
-    ) -> None:
-        total, tokens = self._mismatch(logprobs, mb)
-        if replayed:
-            acc.add(mismatch_replay_sum=total, mismatch_replay_tokens=tokens)
-            return
-        acc.add(mismatch_free_sum=total, mismatch_free_tokens=tokens)
-        if used is not None:
-            hits, pairs = self._agreement(used, mb)
-            acc.add(agree_free_hits=hits, agree_free_total=pairs)
-
-    def _train_micro_batch(
-        self, mb: TrainBatch, proximal: Tensor, reference: Tensor | None, norms: _Norms, acc: Accumulator
-    ) -> None:
-        device = model_device(self.model)
-        try:
-            logprobs, ent, used = self._forward(
-                mb, replay=self._replays(mb), grad=True, entropy=True, probe=mb.routing is not None
-            )
-            out = policy_loss(
-                logprobs,
-                mb.behaviour_logprobs.to(device),
-                mb.advantages.to(device),
-                mb.loss_mask.to(device),
-                norms.loss_cfg,
-                proximal=proximal.to(device),
-                ref=None if reference is None else reference.to(device),
-                entropy=ent,
-                normalizer=norms.normalizer,
-            )
-            out.loss.backward()
-        finally:
-            # megatron keeps the replay indices (and a backward-replay list) until cleared.
-            if self._replay is not None:
-                self._replay.off()
-        acc.add_loss_metrics(out.metrics)
-        if used is not None:
-            hits, pairs = self._agreement(used, mb)
-            acc.add(agree_train_hits=hits, agree_train_total=pairs)
+        return Norms(tokens=tokens, normalizer=max(normalizer, 1.0), loss_cfg=loss_cfg)
 
     def _dp_group(self) -> Any:
         from megatron.core import parallel_state as ps

@@ -160,16 +160,26 @@ class Trainer:
         """Resume, then drain, train, push and commit until ``steps`` steps are done or a stop is requested."""
         self._install_signal_handlers()
         self.resume()
+        commit_s = 0.0
         while self.step < self.s.steps:
+            t0 = time.perf_counter()
             batch = self.drain()
             if batch is None:
                 break
+            t1 = time.perf_counter()
             metrics = self.train_step(batch)
             self.step += 1
+            t2 = time.perf_counter()
             self.push_weights()
+            # Waiting for data is the trainer's idle time; the commit is charged to the step after it.
+            metrics.update({"time/drain_s": t1 - t0, "time/push_s": time.perf_counter() - t2,
+                            "time/commit_s": commit_s})
             self.record(batch, metrics)
+            commit_s = 0.0
             if self.step % self.s.checkpoint_every == 0 or self.step == self.s.steps or self._stop:
+                t3 = time.perf_counter()
                 self.commit()
+                commit_s = time.perf_counter() - t3
             if self._stop:
                 break
         if self._uncommitted:
