@@ -275,6 +275,28 @@ def cmd_bench_rollout(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_pipeline(args: argparse.Namespace) -> int:
+    from dataclasses import fields
+
+    from pipeline.benchmarks.pipeline import PipelineBenchParams, run_pipeline_bench
+
+    params = PipelineBenchParams(**{f.name: getattr(args, f.name) for f in fields(PipelineBenchParams)})
+    res = run_pipeline_bench(params)
+
+    def human(r: dict[str, Any]) -> None:
+        for mode in ("sync", "async"):
+            m = r[mode]
+            print(f"  {mode:5s} {m['samples_per_s']:7.1f} samples/s  wait {m['t_wait']:.3f} s  train+push "
+                  f"{m['t_train']:.3f} s  idle {m['idle_fraction']:.1%}  reward {m['reward_mean']:.3f}")
+        print(f"  async/sync = {r['ratio']:.3f}; bound (t_gen + t_train) / max = {r['bound']:.3f}; "
+              f"ratio/bound = {r['ratio_of_bound']:.3f} (goal >= 0.9)")
+        print(f"  trainer idle in async {r['idle_fraction']:.1%} (goal <= 5%); first trained step "
+              f"{r['first_step_s']:.1f} s after sluice run (goal <= 60 s)")
+
+    _print(args, res, human)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice", description="Asynchronous RL post-training around a durable queue.")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -361,6 +383,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     _add_dataclass_args(p, "pipeline.benchmarks.rollout", "RolloutBenchParams")
     p.set_defaults(func=cmd_bench_rollout)
+    p = bsub.add_parser("pipeline", help="samples trained per second, async vs sync on one recipe, against the "
+                                         "perfect-overlap bound")
+    p.add_argument("--json", action="store_true")
+    _add_dataclass_args(p, "pipeline.benchmarks.pipeline", "PipelineBenchParams")
+    p.set_defaults(func=cmd_bench_pipeline)
     return parser
 
 

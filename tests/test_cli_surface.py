@@ -10,6 +10,7 @@ from pipeline.cli import build_parser
 SURFACE = {
     "bench queue": ([], ["--appendfsync", "--batch-entries", "--group-size", "--json", "--layers", "--num-experts",
                          "--prompt-tokens", "--response-tokens", "--rounds", "--samples", "--topk"]),
+    "bench pipeline": ([], ["--json", "--max-lag", "--out", "--recipe", "--skip-steps", "--steps"]),
     "bench rollout": ([], ["--capture-reference", "--concurrency", "--group-size", "--groups", "--json", "--layers",
                            "--max-new-tokens", "--no-capture-reference", "--num-experts", "--rounds", "--temperature",
                            "--topk"]),

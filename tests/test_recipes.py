@@ -52,3 +52,18 @@ def test_overrides_parse_toml_values() -> None:
         apply_overrides({}, ["novalue"])
     with pytest.raises(ConfigError, match="not found"):
         load_config("recipes/missing.toml")
+
+
+def test_sync_mode_is_on_policy_and_says_what_it_overrides(caplog: pytest.LogCaptureFixture) -> None:
+    recipe = RECIPES[0].parent / "cpu-moe.toml"
+    assert load_config(recipe).staleness.max_lag > 0  # the recipe itself runs async
+    with caplog.at_level("WARNING"):
+        cfg = load_config(recipe, ["mode=sync"])
+    assert cfg.mode == "sync" and cfg.staleness.max_lag == 0
+    assert "replaced by 0" in caplog.text
+    with pytest.raises(ConfigError, match="mode"):
+        load_config(recipe, ["mode=lockstep"])
+    schedule = load_config(recipe, ["trainer.lr_schedule.warmup_steps=10", "trainer.lr_schedule.decay=cosine"])
+    assert schedule.trainer.lr_schedule.decay == "cosine"
+    with pytest.raises(ConfigError, match="trainer.mini_batches"):
+        load_config(recipe, ["trainer.mini_batches=0"])

@@ -54,7 +54,8 @@ def recording(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, lis
 def _replay(model_dir: Path, archive: Path, out: Path, *extra: str) -> dict:
     cmd = [sys.executable, "-m", "pipeline.cli", "replay", "recipes/cpu-moe.toml", "--from", str(archive),
            "--run-dir", str(out), "--set", f"model.path={json.dumps(str(model_dir))}", "--set",
-           f"trainer.batch_groups={BATCH}", "--set", "trainer.checkpoint_every=3", *extra]
+           f"trainer.batch_groups={BATCH}", "--set", "trainer.checkpoint_every=3", "--set", "warmstart.enabled=false",
+           "--set", "filters.zero_variance=false", *extra]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent.parent)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])

@@ -43,6 +43,8 @@ def test_sluice_run_survives_kill_9_of_trainer_and_producer(tmp_path: Path) -> N
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "pipeline.cli", "run", "recipes/cpu-moe.toml", "--run-dir", str(run_dir),
            "--steps", str(STEPS), "--set", "trainer.checkpoint_every=4", "--set", "producer.concurrency=2",
+           "--set", "warmstart.enabled=false", "--set", "eval.heldout.enabled=false", "--set", "trainer.batch_groups=4",
+           "--set", "filters.zero_variance=false",
            "--set", "queue.claim_idle_ms=1000"]
     out = open(tmp_path / "launcher.log", "wb")  # noqa: SIM115 - the child keeps it
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
@@ -93,6 +95,8 @@ def test_sluice_run_with_two_expert_parallel_trainer_ranks(tmp_path: Path) -> No
     run_dir = tmp_path / "ep2"
     cmd = [sys.executable, "-m", "pipeline.cli", "run", "recipes/cpu-moe.toml", "--run-dir", str(run_dir),
            "--steps", "6", "--set", "trainer.world_size=2", "--set", "trainer.ep=2",
+           "--set", "warmstart.enabled=false", "--set", "eval.heldout.enabled=false", "--set", "trainer.batch_groups=4",
+           "--set", "filters.zero_variance=false",
            "--set", "trainer.checkpoint_every=3"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -124,6 +128,7 @@ def test_sluice_run_with_many_stale_drops_and_a_killed_producer_completes(tmp_pa
            "--set", "producer.concurrency=4", "--set", "producer.reward=pacing_rewards:one_in_three_slow",
            "--set", "prompts.task=addition", "--set", "prompts.digits=2", "--set", "prompts.size=1000",
            "--set", "eval.enabled=false", "--set", "queue.archive.enabled=false",
+           "--set", "warmstart.enabled=false", "--set", "eval.heldout.enabled=false", "--set", "filters.zero_variance=false",
            # A lease far longer than the run: the restarted producer-0 itself must hand its leftovers back (a peer
            # taking them after lease expiry is tested in test_pacing.py).
            "--set", "producer.lease_ttl_s=600"]

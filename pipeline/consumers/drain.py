@@ -146,6 +146,9 @@ class Batch:
     lags: list[int] = field(default_factory=list)
     filters: FilterCounts = field(default_factory=FilterCounts)
     slots: SlotCounts = field(default_factory=SlotCounts)
+    sampled_rewards: list[float] = field(default_factory=list)
+    """Rewards of every trainable sample of the groups trained or filtered: what the policy scores when sampled.
+    The trained groups alone overstate it under dynamic sampling, which keeps exactly the informative ones."""
 
     def add(self, entry_id: str, judged: Judgement, step: int, current: int) -> None:
         """Take one drained group into the batch: trained, or its samples' fates for the ledger."""
@@ -153,6 +156,8 @@ class Batch:
         self.lines += [LedgerLine(s.sample_id, entry_id, "invalid", step, current) for s in judged.invalid]
         if judged.decision is None:
             return
+        if judged.fate in ("trained", "filtered"):
+            self.sampled_rewards += [s.reward for s in judged.valid]
         if judged.fate == "filtered":
             # Counted under filter/ only: staleness/groups_train stays the number of groups actually trained.
             assert judged.filtered_by is not None

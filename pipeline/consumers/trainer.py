@@ -268,11 +268,16 @@ class Trainer:
         self.ledger.record([*full.lines, *trained])
         self._uncommitted.extend(full.consumed)
         rewards = [s.reward for g in full.groups for s in g]
+        sampled = full.sampled_rewards or rewards
         row = {
             "step": self.step, "policy_version": self.version, "time": time.time(),
-            "reward_mean": sum(rewards) / max(len(rewards), 1), "groups": len(full.groups),
+            # The policy's reward as sampled (filtered groups included); the trained groups' apart.
+            "reward_mean": sum(sampled) / max(len(sampled), 1),
+            "reward_mean_trained": sum(rewards) / max(len(rewards), 1), "groups": len(full.groups),
             "samples": len(rewards), "lag_max": max(full.lags, default=0),
-            **full.counts.as_metrics(), **full.drain_metrics(), **lag_histogram(full.lags, num_buckets=4), **metrics,
+            **full.counts.as_metrics(), **full.drain_metrics(), **lag_histogram(full.lags, num_buckets=4),
+            # The step's own reward_mean is the trained groups' (reward_mean_trained above).
+            **{k: v for k, v in metrics.items() if k != "reward_mean"},
         }
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.metrics_path, "a") as f:
