@@ -119,6 +119,9 @@ class TrainerConfig(TrainStepConfig):
     """Checkpoints kept on disk."""
     drain_block_ms: int = Field(1000, ge=1)
     """How long one queue read waits for entries."""
+    overlap_push: bool = True
+    """Push each step's weights in the background while the next batch is drained and trained (the version still
+    advances only once every engine has them); false pushes before the next drain."""
 
 
 class SyncConfig(_Strict):

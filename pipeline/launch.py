@@ -174,9 +174,22 @@ class Supervisor:
             child.start()
         return finished
 
-    def stop_all(self) -> None:
-        for child in reversed(list(self.children.values())):
-            child.stop()
+    def stop_all(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM every child at once, wait for all of them together, then SIGKILL what is left.
+
+        One at a time would make the shutdown the sum of the children's exits, and would leave a trainer rank
+        alone in a collective while its peer still runs.
+        """
+        live = [c for c in self.children.values() if c.proc is not None and c.proc.poll() is None]
+        for child in live:
+            child.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+        deadline = time.monotonic() + timeout_s
+        for child in live:
+            try:
+                child.proc.wait(max(deadline - time.monotonic(), 0.0))  # type: ignore[union-attr]
+            except subprocess.TimeoutExpired:
+                child.proc.kill()  # type: ignore[union-attr]
+                child.proc.wait()  # type: ignore[union-attr]
 
 
 def _child_env(threads: int = 1, **extra: str) -> dict[str, str]:

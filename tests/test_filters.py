@@ -57,7 +57,7 @@ def test_zero_variance_filter_drops_exactly_the_constant_groups_and_keeps_drawin
     assert {line.sample_id for line in batch.lines if line.fate == "filtered"} == filtered_ids
     assert all(line.fate == "filtered" for line in batch.lines)
     assert batch.filters.as_metrics() == {"filter/groups_zero_variance": 4.0, "filter/groups_user": 0.0,
-                                          "filter/samples": 16.0}
+                                          "filter/samples": 16.0, "filter/capped": 0.0}
     # The four filtered groups gave their slots back at drain time; the trained ones keep theirs.
     assert batch.slots.released == 4 and int(queue.redis.get(queue.keys.groups_started)) == len(groups) - 4
     assert batch.drain_metrics()["pacing/slots_released"] == 4.0
@@ -67,6 +67,31 @@ def test_zero_variance_filter_drops_exactly_the_constant_groups_and_keeps_drawin
     plain = Drainer(queue, Ledger(tmp_path / "plain"), FRESH, group="plain", block_ms=10).next_batch(
         3, step=0, version=lambda: 0)
     assert plain.group_entries == ids[:3]
+
+
+def test_the_draw_cap_trains_a_partial_batch_instead_of_drawing_on(queue: SampleQueue, tmp_path: Path) -> None:
+    """Near convergence most groups are all right: without a cap the drainer would read every one of them."""
+    rng = np.random.default_rng(1)
+    order = [[1.0] * 4, [0.0, 1.0, 1.0, 1.0], *([[1.0] * 4] * 6), [0.0, 0.0, 1.0, 1.0]]
+    ids = queue.put_many([rewarded(rng, r) for r in order])
+    capped = Drainer(queue, Ledger(tmp_path / "capped"), FRESH, block_ms=10,
+                     filters=FilterConfig(zero_variance=True, max_draw_factor=2.0))
+    capped.recover()
+    batch = capped.next_batch(2, step=0, version=lambda: 0)
+    # Two groups wanted; after 2 x 2 = 4 filtered groups it stops with the one informative group it has.
+    assert batch.group_entries == [ids[1]] and batch.consumed == ids[:5]
+    assert batch.filters.groups_zero_variance == 4 and batch.filters.capped == 1
+    queue.create_group("uncapped", "0")
+    full = Drainer(queue, Ledger(tmp_path / "full"), FRESH, group="uncapped", block_ms=10,
+                   filters=FilterConfig(zero_variance=True)).next_batch(2, step=0, version=lambda: 0)
+    assert full.group_entries == [ids[1], ids[8]] and full.filters.groups_zero_variance == 7
+    assert full.filters.capped == 0
+    # A cap never leaves a rank without a group: with min_groups = 2 the capped drainer reads on.
+    queue.create_group("two-ranks", "0")
+    two = Drainer(queue, Ledger(tmp_path / "two"), FRESH, group="two-ranks", block_ms=10, min_groups=2,
+                  filters=FilterConfig(zero_variance=True, max_draw_factor=2.0)).next_batch(2, step=0,
+                                                                                        version=lambda: 0)
+    assert two.group_entries == [ids[1], ids[8]]
 
 
 def test_a_user_filter_by_import_path_is_applied(queue: SampleQueue, tmp_path: Path) -> None:

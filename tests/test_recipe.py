@@ -89,7 +89,7 @@ def _windows(values: list[float], count: int = 10) -> list[float]:
     return [sum(values[i * size:(i + 1) * size]) / size for i in range(count)]
 
 
-@pytest.mark.slow
+@pytest.mark.learning
 @pytest.mark.parametrize("seeds", [(0, 0), (1, 1), (2, 3)], ids=["seed0", "seed1", "seed2-3"])
 def test_the_cpu_recipe_learns(tmp_path: Path, seeds: tuple[int, int]) -> None:
     """The README's claim: reward from <= 0.2 in the first window to >= 0.8 in each of the last three, held-out

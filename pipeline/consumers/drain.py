@@ -199,9 +199,11 @@ class Drainer:
         block_ms: int = 1000,
         claim_idle_ms: int = 60_000,
         warn_filtered: int = 1000,
+        min_groups: int = 1,
     ) -> None:
         self.queue, self.ledger, self.staleness = queue, ledger, staleness
         self.filters = GroupFilters(filters) if isinstance(filters, FilterConfig) else filters
+        self.min_groups = min_groups  # a capped draw keeps at least this many groups (one per data-parallel rank)
         self.group, self.consumer = group, consumer
         self.block_ms, self.claim_idle_ms = block_ms, claim_idle_ms
         self.warn_filtered = warn_filtered
@@ -250,10 +252,15 @@ class Drainer:
 
     def next_batch(self, batch_groups: int, step: int, version: Callable[[], int],
                    should_stop: Callable[[], bool] = lambda: False) -> Batch:
-        """Read until ``batch_groups`` groups pass the staleness policy and the filters (or ``should_stop``)."""
+        """Read until ``batch_groups`` groups pass the staleness policy and the filters (or ``should_stop``, or the
+        filters' draw cap once ``min_groups`` are kept)."""
         batch = Batch()
         warned_at = self.warn_filtered
         while len(batch.groups) < batch_groups and not should_stop():
+            if self.filters is not None and self.filters.drawn_enough(len(batch.groups), batch.filters.groups,
+                                                                      batch_groups, self.min_groups):
+                batch.filters.capped = 1
+                break
             want = batch_groups - len(batch.groups)
             if self._backlog:
                 entries, self._backlog = self._backlog[:want], self._backlog[want:]

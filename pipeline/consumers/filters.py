@@ -22,7 +22,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pipeline.errors import ConfigError, SluiceError
 from pipeline.queue.sample import Sample
@@ -40,6 +40,10 @@ class FilterConfig(BaseModel):
     """Drop groups whose rewards are all equal (zero GRPO advantage) and keep drawing until the batch is full."""
     user: list[str] = []
     """Filters 'package.module:function', each called with one group (list[Sample]) and returning True to keep it."""
+    max_draw_factor: float | None = Field(default=None, ge=1.0, le=1000.0)
+    """Stop drawing for a step once filters removed this many times trainer.batch_groups groups, and train on the
+    groups kept so far (a smaller batch); None = draw until the batch is full. Near convergence most groups are all
+    right, and filling the batch would cost many times its generation (DAPO caps it with max_num_gen_batches)."""
 
     @field_validator("user")
     @classmethod
@@ -92,6 +96,8 @@ class FilterCounts:
     groups_zero_variance: int = 0
     groups_user: int = 0
     samples: int = 0
+    capped: int = 0
+    """Steps whose draw stopped at filters.max_draw_factor with a partial batch."""
 
     def record(self, reason: str, num_samples: int) -> None:
         """Count one removed group; ``reason`` is what :meth:`GroupFilters.check` returned."""
@@ -122,12 +128,19 @@ class GroupFilters:
     def __init__(self, cfg: FilterConfig | None = None) -> None:
         cfg = cfg or FilterConfig()
         self.zero_variance = cfg.zero_variance
+        self.max_draw_factor = cfg.max_draw_factor
         self.user: list[tuple[str, GroupFilterFn]] = [(spec, resolve_filter(spec)) for spec in cfg.user]
 
     @property
     def active(self) -> bool:
         """Whether any filter is on."""
         return self.zero_variance or bool(self.user)
+
+    def drawn_enough(self, kept: int, removed: int, batch_groups: int, min_groups: int) -> bool:
+        """Whether a step may stop drawing with ``kept`` groups after filters ``removed`` others (the draw cap)."""
+        if self.max_draw_factor is None or kept < min_groups:
+            return False
+        return removed >= self.max_draw_factor * batch_groups
 
     def check(self, group: list[Sample]) -> str | None:
         """Why the group is dropped (``"zero_variance"`` or the user filter's import path), or None to keep it."""

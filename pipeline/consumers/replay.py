@@ -59,6 +59,10 @@ class ReplaySource:
                    should_stop: Callable[[], bool] = lambda: False) -> Batch:
         batch = Batch()
         while len(batch.groups) < batch_groups and not should_stop():
+            if self.filters is not None and self.filters.drawn_enough(len(batch.groups), batch.filters.groups,
+                                                                      batch_groups, 1):
+                batch.filters.capped = 1
+                break
             record = next(self._records, None)
             if record is None:
                 break

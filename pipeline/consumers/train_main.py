@@ -69,7 +69,8 @@ def run_trainer(run_dir: Path, cfg: SluiceConfig, model_dir: Path,
         handle = open_run(run_dir=run_dir, redis_url=cfg.queue.redis_url, capacity=cfg.queue.capacity)
         ledger = Ledger(run_dir / "ledger")
         source = Drainer(handle.queue, ledger, cfg.staleness, filters=cfg.filters, consumer="trainer-0",
-                         block_ms=cfg.trainer.drain_block_ms, claim_idle_ms=cfg.queue.claim_idle_ms)
+                         block_ms=cfg.trainer.drain_block_ms, claim_idle_ms=cfg.queue.claim_idle_ms,
+                         min_groups=ps.get_data_parallel_world_size())
         clock = RedisClock(handle.queue)
         if engines:
             pusher = loop.run_until_complete(_connect_pusher(cfg, engines))
@@ -83,7 +84,8 @@ def run_trainer(run_dir: Path, cfg: SluiceConfig, model_dir: Path,
 
     settings = TrainerSettings(steps=cfg.trainer.steps, batch_groups=cfg.trainer.batch_groups,
                                checkpoint_every=cfg.trainer.checkpoint_every,
-                               keep_checkpoints=cfg.trainer.keep_checkpoints, run_dir=run_dir)
+                               keep_checkpoints=cfg.trainer.keep_checkpoints, run_dir=run_dir,
+                               overlap_push=cfg.trainer.overlap_push)
     trainer = Trainer(settings, model=model, optimizer=optimizer, step_fn=step, export_weights=export,
                       source=source, clock=clock, ledger=ledger, pusher=pusher, loop=loop,
                       dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),

@@ -16,6 +16,7 @@ import asyncio
 import json
 import logging
 import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -114,6 +115,7 @@ class TrainerSettings:
     checkpoint_every: int
     keep_checkpoints: int
     run_dir: Path
+    overlap_push: bool = False
 
 
 class Trainer:
@@ -151,7 +153,9 @@ class Trainer:
         self._uncommitted: list[str] = []
         self._rank0_batch: Batch | None = None
         self._stop = False
-        # The pusher's HTTP clients live on one event loop; every push runs on it.
+        self._push_thread: threading.Thread | None = None
+        self._push_error: BaseException | None = None
+        # The pusher's HTTP clients live on one event loop; every push runs on it (one push at a time).
         self._loop = loop or asyncio.new_event_loop()
         self._bytes_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
 
@@ -169,11 +173,13 @@ class Trainer:
             t1 = time.perf_counter()
             metrics = self.train_step(batch)
             self.step += 1
+            push_wait = self.finish_push()
             t2 = time.perf_counter()
             self.push_weights()
-            # Waiting for data is the trainer's idle time; the commit is charged to the step after it.
+            # Waiting for data is the trainer's idle time; the commit is charged to the step after it. With the push
+            # in the background, push_s is the export alone and push_wait_s what the previous push still took.
             metrics.update({"time/drain_s": t1 - t0, "time/push_s": time.perf_counter() - t2,
-                            "time/commit_s": commit_s})
+                            "time/push_wait_s": push_wait, "time/commit_s": commit_s})
             self.record(batch, metrics)
             commit_s = 0.0
             if self.step % self.s.checkpoint_every == 0 or self.step == self.s.steps or self._stop:
@@ -182,6 +188,7 @@ class Trainer:
                 commit_s = time.perf_counter() - t3
             if self._stop:
                 break
+        self.finish_push()
         if self._uncommitted:
             self.commit()
 
@@ -208,14 +215,14 @@ class Trainer:
         needs_resync = bool(self._share({"resync": needs_resync})["resync"])
         if needs_resync:
             # The engines may hold weights trained on data this checkpoint has not seen; give them ours.
-            self.push_weights()
+            self.push_weights(background=False)
 
     def drain(self) -> Batch | None:
         """Rank 0 reads a batch; every rank gets its data-parallel share. None means stop."""
         batch: Batch | None = None
         if self.rank == 0:
             assert self.source is not None and self.clock is not None
-            batch = self.source.next_batch(self.s.batch_groups, self.step, self.clock.get,
+            batch = self.source.next_batch(self.s.batch_groups, self.step, self._drain_version,
                                            should_stop=lambda: self._stop)
             if len(batch.groups) < max(self.dp_size, 1) or (self._stop and len(batch.groups) < self.s.batch_groups):
                 # A partial batch is not trained; its entries stay pending and are redone after a restart.
@@ -240,22 +247,61 @@ class Trainer:
         metrics["time/step_s"] = time.perf_counter() - start
         return metrics
 
-    def push_weights(self) -> None:
-        """Send the new weights to every engine, then advance the policy version (rank 0)."""
-        start = time.perf_counter()
+    def push_weights(self, *, background: bool | None = None) -> None:
+        """Send the new weights to every engine; the policy version advances once every engine confirmed (rank 0).
+
+        With ``overlap_push`` the sending runs in a thread while the next batch is drained and trained (the tensors
+        are clones, so the next optimizer step cannot race it); pushes never overlap each other, and a commit or the
+        end of the run waits for the one in flight.
+        """
+        self.finish_push()
         weights = list(self.export_weights())  # collective: every rank iterates; only rank 0 receives tensors
         if self.rank != 0:
             return
+        final = self.step >= self.s.steps or self._stop
+        self.version += 1  # the version being pushed; the clock follows once the engines have it
+        if background if background is not None else self.s.overlap_push:
+            self._push_thread = threading.Thread(target=self._send, args=(weights, self.version, self.step, final),
+                                                 name="weight-push", daemon=True)
+            self._push_thread.start()
+        else:
+            self._send(weights, self.version, self.step, final)
+            self.finish_push()
+
+    def _send(self, weights: list[tuple[str, torch.Tensor]], version: int, step: int, final: bool) -> None:
+        start = time.perf_counter()
+        try:
+            assert self.clock is not None
+            if self.pusher is not None:
+                self._loop.run_until_complete(self.pusher.push(weights, version))
+            # Only after every engine confirmed the new weights does the version advance.
+            # A replay clock may have jumped ahead to a version seen in the data; the trainer follows it.
+            version = self.clock.advance()
+            self.version = max(self.version, version)
+            if self.snapshots is not None:
+                self.snapshots.maybe_write(version, weights, final=final)
+            self.clock.event("weight_push", version=version, step=step,
+                             seconds=round(time.perf_counter() - start, 4),
+                             engines=0 if self.pusher is None else len(self.pusher.engines))
+        except BaseException as exc:  # re-raised on the trainer's thread by finish_push
+            self._push_error = exc
+
+    def finish_push(self) -> float:
+        """Wait for the push in flight (re-raising its error); returns the seconds waited."""
+        start = time.perf_counter()
+        if self._push_thread is not None:
+            self._push_thread.join()
+            self._push_thread = None
+        error, self._push_error = self._push_error, None
+        if error is not None:
+            raise error
+        return time.perf_counter() - start
+
+    def _drain_version(self) -> int:
+        # While a push is in flight its engines may already sample with the new weights before the clock moves:
+        # judge against the version being pushed, so no token can look newer than the trainer.
         assert self.clock is not None
-        if self.pusher is not None:
-            self._loop.run_until_complete(self.pusher.push(weights, self.version + 1))
-        # Only after every engine confirmed the new weights does the version advance.
-        self.version = self.clock.advance()
-        if self.snapshots is not None:
-            self.snapshots.maybe_write(self.version, weights, final=self.step >= self.s.steps or self._stop)
-        self.clock.event("weight_push", version=self.version, step=self.step,
-                         seconds=round(time.perf_counter() - start, 4),
-                         engines=0 if self.pusher is None else len(self.pusher.engines))
+        return max(self.version, self.clock.get())
 
     def record(self, batch: Batch, metrics: dict[str, float]) -> None:
         if self.rank != 0:
@@ -289,6 +335,7 @@ class Trainer:
         """Ledger segment, then checkpoint (the commit point), then acks; collective."""
         from pipeline.consumers.megatron.checkpoint import save_checkpoint
 
+        self.finish_push()  # the checkpoint records a version every engine has confirmed
         directory = self.ckpt_root / f"step-{self.step:08d}"
         if directory.exists():
             raise RuntimeError(f"checkpoint {directory} exists already: a step number was reused, which would "
@@ -331,6 +378,8 @@ class Trainer:
             pass  # not the main thread (tests); no handler, the caller stops us
 
     def close(self) -> None:
+        if self._push_thread is not None:
+            self._push_thread.join()
         if self.pusher is not None:
             self._loop.run_until_complete(self._close_pusher())
         self._loop.close()
