@@ -778,3 +778,30 @@ def test_scheduler_queues_beyond_max_batch(hf_model: Any) -> None:
     assert busiest <= 2
     assert [out[: len(a)] for out, a in zip(batched, alone, strict=True)] == alone
     assert [len(out) for out in batched] == [6 + i for i in range(5)]
+
+
+def test_batched_token_selection_samples_each_row_from_its_own_distribution() -> None:
+    """Rows sampled together (one softmax, one draw) follow each row's own distribution and report its log-prob;
+    seeded and truncated rows keep the row-by-row path (so a seed repeats whatever it is batched with)."""
+    import torch
+
+    from pipeline.producers.cpu_engine.sampling import SamplingSettings, select_token, select_tokens
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 6) * 2
+    plain = SamplingSettings(temperature=0.7, top_p=1.0, top_k=-1)
+    rows = 3 * 4000
+    batch = logits.repeat(4000, 1)
+    picks = select_tokens(batch, [plain] * rows, [None] * rows, "temperature")
+    expected = torch.softmax(logits / 0.7, dim=-1)
+    for r in range(3):
+        tokens = torch.tensor([picks[i][0] for i in range(r, rows, 3)])
+        freq = torch.bincount(tokens, minlength=6).float() / len(tokens)
+        assert torch.allclose(freq, expected[r], atol=0.03), (freq, expected[r])
+    scaled = torch.log_softmax(logits / 0.7, dim=-1)
+    assert all(abs(picks[i][1] - float(scaled[i % 3, picks[i][0]])) < 1e-6 for i in range(30))
+    original = select_tokens(logits, [plain] * 3, [None] * 3, "original")
+    assert all(abs(lp - float(torch.log_softmax(logits[i], -1)[t])) < 1e-6 for i, (t, lp) in enumerate(original))
+    seeded = [torch.Generator().manual_seed(5) for _ in range(3)]
+    alone = [select_token(logits[i], plain, torch.Generator().manual_seed(5), "temperature") for i in range(3)]
+    assert select_tokens(logits, [plain] * 3, seeded, "temperature") == alone

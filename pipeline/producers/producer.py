@@ -230,7 +230,8 @@ class Producer:
     # ---- the loop ---------------------------------------------------------------------------------------------------
 
     async def run(self, max_groups: int | None = None, stop: asyncio.Event | None = None) -> ProducerStats:
-        """Produce until ``stop`` is set or ``max_groups`` groups are on the queue; waits for groups in flight.
+        """Produce until ``stop`` is set (groups in flight then hand their prompts back) or ``max_groups`` groups are
+        on the queue (groups in flight are waited for).
 
         A group whose generation failed on every engine does not count: its prompt goes back and is tried again. Any
         other error (Redis gone, queue full past its timeout, an engine answer that breaks the Sample's invariants)
@@ -245,12 +246,20 @@ class Producer:
                 if heartbeat.done():
                     heartbeat.result()  # re-raise what stopped it (Redis gone)
                 if not self._has_room(len(tasks), max_groups):
-                    await self._reap(tasks, None)
+                    # Bounded, so that a stop is seen while every slot is busy.
+                    await self._reap(tasks, self.cfg.admission_poll_s)
                 elif (slot := await asyncio.to_thread(self._take)) is not None:
                     tasks.add(asyncio.create_task(self._one_group(slot)))
                 else:
                     self.stats.paced_waits += 1
                     await self._reap(tasks, self.cfg.admission_poll_s)
+            if stop is not None and stop.is_set():
+                # Stopping: the groups in flight hand their prompts back (cancellation runs _one_group's hand-back)
+                # rather than make the run's shutdown wait for generations nobody will train.
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                tasks.clear()
             while tasks:
                 await self._reap(tasks, None)
         except BaseException:

@@ -68,6 +68,9 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
 }
 
 
+_INLINE = frozenset(BUILTIN_REWARDS.values())
+
+
 def resolve_reward(spec: str) -> RewardFn:
     """A built-in name or ``package.module:function``; raises ConfigError saying what is wrong."""
     if spec in BUILTIN_REWARDS:
@@ -111,6 +114,9 @@ async def score(fn: RewardFn, prompt: Prompt, response: str, timeout_s: float) -
     try:
         if inspect.iscoroutinefunction(fn):
             value = await asyncio.wait_for(fn(prompt, response), timeout_s)  # type: ignore[arg-type]
+        elif fn in _INLINE:
+            # The built-ins are a few string operations: a thread hop per sample would cost more than they do.
+            value = fn(prompt, response)
         else:
             # A thread keeps a slow sync verifier from stalling the event loop; a hung one is abandoned, not joined.
             value = await asyncio.wait_for(asyncio.to_thread(fn, prompt, response), timeout_s)

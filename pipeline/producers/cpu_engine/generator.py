@@ -25,7 +25,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from pipeline.producers.cpu_engine.routing import RoutingBuffer, RoutingRecorder
-from pipeline.producers.cpu_engine.sampling import LogprobMode, SamplingSettings, select_token, token_logprobs
+from pipeline.producers.cpu_engine.sampling import LogprobMode, SamplingSettings, select_tokens, token_logprobs
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -168,9 +168,13 @@ class BatchGenerator:
             return {"type": "length", "length": len(seq.output_ids)}
         return None
 
-    def _emit(self, seq: Sequence, logits: torch.Tensor) -> int:
-        """Sample one token for ``seq`` from its float32 logits row and record it under the current version."""
-        token, logprob = select_token(logits, seq.settings, seq.generator, self.logprob_mode)
+    def _emit_all(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+        """Sample one token for each of ``seqs`` from its row of float32 logits ``[len(seqs), vocab]``."""
+        picks = select_tokens(logits, [s.settings for s in seqs], [s.generator for s in seqs], self.logprob_mode)
+        return [self._record(seq, token, logprob) for seq, (token, logprob) in zip(seqs, picks, strict=True)]
+
+    def _record(self, seq: Sequence, token: int, logprob: float) -> int:
+        """Append one sampled token to ``seq`` under the current version."""
         seq.output_ids.append(token)
         seq.output_logprobs.append(logprob)
         seq.token_versions.append(self.version)
@@ -202,12 +206,11 @@ class BatchGenerator:
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         keep_all = any(s.input_logprob_start >= 0 for s in seqs)
         fwd = self._forward(ids, mask, pos, [], keep_all, take_routing=True)
-        next_tokens = []
+        next_tokens = self._emit_all(seqs, fwd.logits[:, -1])
         for i, seq in enumerate(seqs):
             offset = width - lengths[i]
             if seq.input_logprob_start >= 0:
                 seq.input_logprobs = self._input_logprobs(seq, fwd.logits[i, offset:])
-            next_tokens.append(self._emit(seq, fwd.logits[i, -1]))
             if seq.finished and fwd.routing is not None:
                 seq.routing = fwd.routing[i, offset:].clone()  # the others' rows travel in the batch's buffer
         alive = [i for i, s in enumerate(seqs) if not s.finished]
@@ -339,8 +342,7 @@ class BatchGenerator:
         if self.recorder is not None and self.recorder.pending >= ROUTING_FLUSH_STEPS * self.recorder.num_layers:
             self._flush_routing()
         self._pos = self._pos + 1
-        for i, seq in enumerate(self.rows):
-            self._next[i] = self._emit(seq, fwd.logits[i, -1])
+        self._next = torch.tensor(self._emit_all(self.rows, fwd.logits[:, -1]), dtype=torch.long)
         return finished + self._evict()
 
 

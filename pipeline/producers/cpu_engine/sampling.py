@@ -68,6 +68,35 @@ def select_token(
     return token, float(scaled_logprobs[token])
 
 
+def select_tokens(
+    logits: torch.Tensor, settings: list[SamplingSettings], generators: list[torch.Generator | None],
+    mode: LogprobMode,
+) -> list[tuple[int, float]]:
+    """``select_token`` for every row of ``logits`` ``[n, vocab]``, in one pass where the rows allow it.
+
+    Rows without a seed of their own and with plain temperature sampling (no top-k / top-p) share one softmax and one
+    multinomial draw per temperature: the same distribution as row by row, at a fraction of the per-row overhead that
+    otherwise dominates a decode step of a small model. Seeded rows keep their own generator, so a seeded request
+    repeats itself whatever it is batched with.
+    """
+    out: list[tuple[int, float] | None] = [None] * len(settings)
+    plain: dict[float, list[int]] = {}
+    for i, (st, gen) in enumerate(zip(settings, generators, strict=True)):
+        if gen is None and not st.greedy and st.top_k <= 0 and st.top_p >= 1.0:
+            plain.setdefault(st.temperature, []).append(i)
+        else:
+            out[i] = select_token(logits[i], st, gen, mode)
+    for temperature, rows in plain.items():
+        index = torch.tensor(rows, dtype=torch.long)
+        scaled = torch.log_softmax(logits[index] / temperature, dim=-1)
+        tokens = torch.multinomial(scaled.exp(), 1).squeeze(-1)
+        source = scaled if mode == "temperature" else torch.log_softmax(logits[index], dim=-1)
+        chosen = source.gather(-1, tokens[:, None]).squeeze(-1)
+        for row, token, logprob in zip(rows, tokens.tolist(), chosen.tolist(), strict=True):
+            out[row] = (int(token), float(logprob))
+    return out  # type: ignore[return-value]
+
+
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, mode: LogprobMode) -> torch.Tensor:
     """Logprobs of ``targets`` under ``logits`` ``[n, vocab]`` by the rule of ``select_token`` (for prompt tokens)."""
     scale = temperature if (mode == "temperature" and temperature > 0.0) else 1.0
