@@ -7,7 +7,8 @@ bash scripts/setup.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 python -m ruff check pipeline tests
 set +e
-python -m pytest -q "$@"
+# The full learning runs take minutes each; `bash scripts/test.sh -m learning` runs just those.
+python -m pytest -q -m "not learning" "$@"
 rc=$?
 set -e
 if [ "$rc" = 5 ]; then

@@ -383,6 +383,34 @@ def test_policy_loss_aggregation_options() -> None:
         assert policy_loss(logp, logp, -token_losses, mask, cfg).loss.item() == pytest.approx(expected, rel=1e-6)
 
 
+def test_each_aggregation_weighs_long_and_short_responses_as_its_paper_says() -> None:
+    """The effect, through the gradient: one long and one short response with the same advantage. token_mean gives
+    every token the same weight (the long response pulls 4x harder in total, DAPO); sequence_mean gives every
+    response the same total weight (GRPO); constant_norm weighs tokens equally with a denominator that does not
+    move with the batch's token count (Dr. GRPO), so adding a response leaves the others' gradients unchanged."""
+    mask = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.bool)
+    adv = torch.tensor([1.0, 1.0])
+
+    def token_grads(how: str, m: torch.Tensor = mask, a: torch.Tensor = adv) -> torch.Tensor:
+        cur = torch.full(m.shape, -1.0, requires_grad=True)
+        policy_loss(cur, cur.detach(), a, m, LossConfig(aggregation=how)).loss.backward()  # type: ignore[arg-type]
+        assert cur.grad is not None
+        return -cur.grad
+
+    tok = token_grads("token_mean")
+    assert tok[0, 0] == pytest.approx(tok[1, 0]) and tok[0].sum() == pytest.approx(4 * tok[1].sum())
+    seq = token_grads("sequence_mean")
+    assert seq[0].sum() == pytest.approx(seq[1].sum()) and seq[1, 0] == pytest.approx(4 * seq[0, 0])
+    const = token_grads("constant_norm")
+    assert const[0, 0] == pytest.approx(const[1, 0])
+    # A third, long response: token_mean dilutes the first two (more tokens in the mean); constant_norm only adds
+    # a row to S (as sequence_mean does), whatever its length.
+    wider = torch.cat([mask, torch.ones(1, 4, dtype=torch.bool)])
+    more = torch.cat([adv, torch.tensor([1.0])])
+    assert token_grads("token_mean", wider, more)[1, 0] == pytest.approx(tok[1, 0] * 5 / 9)
+    assert token_grads("constant_norm", wider, more)[1, 0] == pytest.approx(const[1, 0] * 2 / 3)
+
+
 def test_padding_is_ignored_even_when_nan() -> None:
     beh = torch.tensor([[-1.0, -2.0, -0.5], [-1.5, math.nan, math.nan]])
     cur = torch.tensor([[-0.9, -2.1, -0.4], [-1.2, math.nan, math.inf]], requires_grad=True)
