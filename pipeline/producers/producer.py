@@ -226,6 +226,7 @@ class Producer:
         self._return = queue.redis.register_script(_RETURN)
         self._reclaim = queue.redis.register_script(_RECLAIM)
         self.stats = ProducerStats()
+        self._placed: set[str] = set()  # group ids whose put landed; a cancel after it must not release their slot
 
     # ---- the loop ---------------------------------------------------------------------------------------------------
 
@@ -389,10 +390,14 @@ class Producer:
         try:
             served = await self._produce(slot)
         except BaseException:
+            if slot.group_id in self._placed:
+                self._placed.discard(slot.group_id)  # cancelled after the put landed: the group holds the slot
+                raise
             # Cancelled or failed before the group was on the queue: another try (here or in another producer) must
             # see this prompt. Synchronous on purpose, so that a cancellation cannot skip it.
             self._release(slot, hand_back=True)
             raise
+        self._placed.discard(slot.group_id)
         if not served:
             await asyncio.to_thread(self._release, slot, True)
             # Keep this slot idle for a while, so that a run with every engine down does not spin through retries.
@@ -423,14 +428,31 @@ class Producer:
         outcomes = await asyncio.gather(*(score(self.reward_fn, prompt, r.text, self.cfg.reward_timeout_s)
                                           for r in results))
         group = self.build_group(prompt, prompt_ids, results, outcomes, seed=seed, group_id=slot.group_id)
-        await asyncio.to_thread(self.queue.put, group, self.cfg.put_timeout_s)
+        placing = asyncio.ensure_future(asyncio.to_thread(self._place, group, slot))
+        try:
+            # A cancel (a stop) must not race the put: the thread goes on, so the group may land after the
+            # coroutine is told to stop, and releasing its slot then would queue it twice over (slot and prompt).
+            await asyncio.shield(placing)
+        except asyncio.CancelledError:
+            await asyncio.wait([placing])
+            if placing.exception() is None:
+                self._count_put(group, outcomes)
+            raise
+        self._count_put(group, outcomes)
+        return True
+
+    def _place(self, group: list[Sample], slot: Slot) -> None:
+        """Put the group on the queue and clear its in-flight record (runs in a thread)."""
+        self.queue.put(group, self.cfg.put_timeout_s)
+        self._placed.add(slot.group_id)
         # Killed between the put and this: a restart hands the prompt back although its group is queued, so it is
         # generated twice (never lost), and that group holds no slot record (its slot was released by the restart).
-        await asyncio.to_thread(self._mark_put, slot)
+        self._mark_put(slot)
+
+    def _count_put(self, group: list[Sample], outcomes: Sequence[RewardOutcome]) -> None:
         self.stats.groups_put += 1
         self.stats.samples_put += len(group)
         self.stats.samples_failed_reward += sum(o.failed for o in outcomes)
-        return True
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         """The prompt's token ids, tokenizing its text if it has no ids."""
