@@ -19,6 +19,10 @@ class QueueFullError(QueueError):
     """``put`` waited past its timeout for the trainer group to catch up (backpressure)."""
 
 
+class PutAbortedError(QueueError):
+    """``put`` was told to give up while it waited for room; nothing was written."""
+
+
 class SampleError(SluiceError):
     """A Sample is malformed; the message names the field and what is wrong with it."""
 

@@ -257,3 +257,42 @@ def test_a_restarted_trainer_decides_again_but_gives_no_slot_back_twice(queue: S
     again.ack(redo.consumed)
     assert queue.pending_ids("trainer") == [] and slots_held(queue) == 2
     assert not queue.redis.hlen(queue.keys.group_slots) and not queue.redis.exists(producer.inflight_key)
+
+
+def test_a_stop_while_puts_wait_for_room_hands_their_prompts_back_at_once(
+    engine: EngineProcess, model_dir: Path, redis_client: Any, run_name: str
+) -> None:
+    """The trainer is gone and the queue is at capacity: puts wait for room. A stop must not wait for them (the run's
+    shutdown would hang for put_timeout_s): they give up with nothing written, and their prompts go back."""
+    queue = SampleQueue(redis_client, run_name, capacity=2)
+    queue.create_group("trainer")
+
+    async def scenario() -> tuple[Producer, float]:
+        # put_timeout_s bounds what a regression costs: a stop that waits for the puts takes 20 s, not 600.
+        producer = make_producer(queue, engine.url, model_dir, name="p0", pacing=None, reward=varied_reward,
+                                 concurrency=4, put_timeout_s=20.0)
+        stop = asyncio.Event()
+        run = asyncio.ensure_future(producer.run(stop=stop))
+        try:
+            await _until(lambda: producer.stats.groups_put >= 2, "the queue to fill")
+            # Give the next groups time to finish generating and block in their puts.
+            await _until(lambda: queue.redis.hlen(queue.keys.producer_inflight("p0")) >= 4, "four groups in flight")
+            await asyncio.sleep(1.0)
+        finally:
+            stop.set()
+            started = time.monotonic()
+            await asyncio.wait_for(asyncio.gather(run, return_exceptions=True), 60)
+            seconds = time.monotonic() - started
+            await producer.engine.close()  # type: ignore[attr-defined]
+        return producer, seconds
+
+    producer, seconds = asyncio.run(scenario())
+    assert seconds < 10, f"the stop waited {seconds:.1f} s for puts with no room"
+    queued = queue.redis.xlen(queue.keys.samples)
+    # Concurrent puts may pass the room check together, so a few more than capacity can land, never 4 more.
+    assert producer.stats.groups_put == queued < 2 + 4
+    cursor = PromptCursor(queue.redis, queue.run)
+    handed_back = [index for index, _ in cursor.retries()]
+    on_queue = [int(e.samples[0].prompt_id.split("-")[1]) for _, e in queue.scan()]  # type: ignore[union-attr]
+    assert len(handed_back) >= 1 and sorted(handed_back + on_queue) == list(range(cursor.position()))
+    assert slots_held(queue) == queued and queue.redis.hlen(queue.keys.producer_inflight("p0")) == 0

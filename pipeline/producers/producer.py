@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -226,6 +227,7 @@ class Producer:
         self._return = queue.redis.register_script(_RETURN)
         self._reclaim = queue.redis.register_script(_RECLAIM)
         self.stats = ProducerStats()
+        self._stopping = threading.Event()  # set on stop: puts waiting for room give up (nothing written)
         self._placed: set[str] = set()  # group ids whose put landed; a cancel after it must not release their slot
 
     # ---- the loop ---------------------------------------------------------------------------------------------------
@@ -255,6 +257,7 @@ class Producer:
                     self.stats.paced_waits += 1
                     await self._reap(tasks, self.cfg.admission_poll_s)
             if stop is not None and stop.is_set():
+                self._stopping.set()
                 # Stopping: the groups in flight hand their prompts back (cancellation runs _one_group's hand-back)
                 # rather than make the run's shutdown wait for generations nobody will train.
                 for task in tasks:
@@ -264,11 +267,13 @@ class Producer:
             while tasks:
                 await self._reap(tasks, None)
         except BaseException:
+            self._stopping.set()
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
         finally:
+            self._stopping.clear()  # a later run() (a Ray actor's) puts normally
             heartbeat.cancel()
             await asyncio.gather(heartbeat, return_exceptions=True)
         # Only a clean exit gives the lease up early; after a failure it expires, and whoever comes next reclaims.
@@ -443,7 +448,7 @@ class Producer:
 
     def _place(self, group: list[Sample], slot: Slot) -> None:
         """Put the group on the queue and clear its in-flight record (runs in a thread)."""
-        self.queue.put(group, self.cfg.put_timeout_s)
+        self.queue.put(group, self.cfg.put_timeout_s, abort=self._stopping.is_set)
         self._placed.add(slot.group_id)
         # Killed between the put and this: a restart hands the prompt back although its group is queued, so it is
         # generated twice (never lost), and that group holds no slot record (its slot was released by the restart).

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -48,9 +48,11 @@ class QueueStats:
 class SampleQueueBase(Protocol):
     """A durable log of sample groups read through consumer groups with explicit acknowledgement."""
 
-    def put(self, group: Sequence[Sample], timeout_s: float | None = None) -> str: ...
+    def put(self, group: Sequence[Sample], timeout_s: float | None = None,
+            abort: Callable[[], bool] | None = None) -> str: ...
 
-    def put_many(self, groups: Sequence[Sequence[Sample]], timeout_s: float | None = None) -> list[str]: ...
+    def put_many(self, groups: Sequence[Sequence[Sample]], timeout_s: float | None = None,
+                 abort: Callable[[], bool] | None = None) -> list[str]: ...
 
     def create_group(self, name: str, start: str = "0") -> bool: ...
 

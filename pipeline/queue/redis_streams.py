@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import redis
 
-from pipeline.errors import QueueError, QueueFullError, SampleDecodeError, SampleError
+from pipeline.errors import PutAbortedError, QueueError, QueueFullError, SampleDecodeError, SampleError
 from pipeline.queue.base import GroupStats, QueueEntry, QueueStats
 from pipeline.queue.codec import KNOWN_SCHEMA_VERSIONS, SCHEMA_VERSION, decode_samples, encode_samples
 from pipeline.queue.keys import RunKeys
@@ -148,16 +148,21 @@ class SampleQueue:
             return []
 
     # ------------------------------------------------------------------------------------------------------- put
-    def put(self, group: Sequence[Sample], timeout_s: float | None = None) -> str:
+    def put(self, group: Sequence[Sample], timeout_s: float | None = None,
+            abort: Callable[[], bool] | None = None) -> str:
         """Add one prompt group as one entry; blocks while the trainer group is ``capacity`` entries behind."""
-        return self.put_many([group], timeout_s)[0]
+        return self.put_many([group], timeout_s, abort)[0]
 
-    def put_many(self, groups: Sequence[Sequence[Sample]], timeout_s: float | None = None) -> list[str]:
-        """Add several groups, one entry each, in one pipelined round trip, after one backpressure check."""
+    def put_many(self, groups: Sequence[Sequence[Sample]], timeout_s: float | None = None,
+                 abort: Callable[[], bool] | None = None) -> list[str]:
+        """Add several groups, one entry each, in one pipelined round trip, after one backpressure check.
+
+        While it waits for room, ``abort()`` returning true raises ``PutAbortedError`` with nothing written (a
+        stopping producer must not wait on a trainer that is gone)."""
         encoded = [self._encode_entry(g) for g in groups]
         if not encoded:
             return []
-        self.wait_for_room(timeout_s)
+        self.wait_for_room(timeout_s, abort)
         # Each entry carries `seq`, its position among all entries ever produced, so that backpressure can count the
         # undelivered entries on Redis 6.2, which lacks XINFO's lag. The numbers are reserved with one INCRBY, then
         # the entries stream out in a plain pipeline. Neither a Lua script (it copies megabytes of payload into Lua
@@ -184,7 +189,7 @@ class SampleQueue:
         n = int(self._lag(keys=[self.keys.samples, self.keys.produced], args=[group]))
         return None if n < 0 else n
 
-    def wait_for_room(self, timeout_s: float | None = None) -> None:
+    def wait_for_room(self, timeout_s: float | None = None, abort: Callable[[], bool] | None = None) -> None:
         # XLEN bounds the lag from above and costs O(1), so the exact lag is asked for only near capacity.
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         delay = self.poll_s
@@ -195,6 +200,8 @@ class SampleQueue:
             if lag is None or lag < self.capacity:
                 # No backpressure group yet: nobody would ever drain it, so do not block on it.
                 return
+            if abort is not None and abort():
+                raise PutAbortedError(f"run {self.run!r}: put given up while waiting for room; nothing was written")
             if deadline is not None and time.monotonic() >= deadline:
                 raise QueueFullError(
                     f"run {self.run!r}: group {self.backpressure_group!r} has {lag} undelivered entries "
@@ -202,7 +209,7 @@ class SampleQueue:
                     "queue.capacity to buffer more, or add trainer throughput"
                 )
             time.sleep(delay)
-            delay = min(delay * 2, 1.0)
+            delay = min(delay * 2, 0.2 if abort is not None else 1.0)
 
     # ------------------------------------------------------------------------------------------------------ read
     def read(self, group: str, consumer: str, count: int = 1, block_ms: int | None = None) -> list[QueueEntry]:
