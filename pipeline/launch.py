@@ -234,6 +234,7 @@ def start_engines(cfg: SluiceConfig, sup: Supervisor, model_dir: Path, run_dir: 
 
 def run(cfg: SluiceConfig) -> int:
     """The whole job on this machine; returns the exit code."""
+    started = time.monotonic()
     handle, model_dir = prepare_run(cfg)
     run_dir = Path(cfg.run.run_dir)
     sup = Supervisor()
@@ -288,6 +289,7 @@ def run(cfg: SluiceConfig) -> int:
         if archiver_thread is not None:
             archiver_thread.join(timeout=60)
         handle.close(stop_server=True)
+        print(f"wall time: {time.monotonic() - started:.0f} s, warm start and shutdown included")
 
 
 def _wait_for_heldout(sup: Supervisor, run_dir: Path, timeout_s: float) -> None:
