@@ -68,8 +68,8 @@ def test_the_cpu_recipe_runs_every_stage(tmp_path: Path, mode: str) -> None:
     assert (run_dir / "warmstart" / "done.json").exists() and "warm start: 300 steps" in out
     # The warm start taught the format: the first RL step already sees some right answers.
     assert rows[0]["reward_mean"] > 0.0
-    # Mini-batch PPO: four optimizer steps per drained batch, and the clip acts.
-    assert all(r["optimizer_steps"] == 4 for r in rows)
+    # Mini-batch PPO: the recipe's two optimizer steps per drained batch, and the clip acts.
+    assert all(r["optimizer_steps"] == 2 for r in rows)
     assert max(r["clip_fraction"] for r in rows) > 0
     # Dynamic sampling: the trained groups are informative ones, and the filtered ones are counted.
     assert sum(r.get("filter/groups_zero_variance", 0) for r in rows) > 0

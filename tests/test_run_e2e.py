@@ -44,7 +44,7 @@ def test_sluice_run_survives_kill_9_of_trainer_and_producer(tmp_path: Path) -> N
     cmd = [sys.executable, "-m", "pipeline.cli", "run", "recipes/cpu-moe.toml", "--run-dir", str(run_dir),
            "--steps", str(STEPS), "--set", "trainer.checkpoint_every=4", "--set", "producer.concurrency=2",
            "--set", "warmstart.enabled=false", "--set", "eval.heldout.enabled=false", "--set", "trainer.batch_groups=4",
-           "--set", "filters.zero_variance=false",
+           "--set", "filters.zero_variance=false", "--set", "eval.enabled=true",
            "--set", "queue.claim_idle_ms=1000"]
     out = open(tmp_path / "launcher.log", "wb")  # noqa: SIM115 - the child keeps it
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
