@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -65,7 +66,7 @@ def test_the_cpu_recipe_runs_every_stage(tmp_path: Path, mode: str) -> None:
     rows = _rows(run_dir)
     print(f"{mode}: 8 steps in {seconds:.0f} s; rewards {[round(r['reward_mean'], 3) for r in rows]}")
     assert [r["step"] for r in rows] == list(range(1, 9))
-    assert (run_dir / "warmstart" / "done.json").exists() and "warm start: 300 steps" in out
+    assert (run_dir / "warmstart" / "done.json").exists() and re.search(r"warm start: \d+ steps in", out)
     # The warm start taught the format: the first RL step already sees some right answers.
     assert rows[0]["reward_mean"] > 0.0
     # Mini-batch PPO: the recipe's two optimizer steps per drained batch, and the clip acts.

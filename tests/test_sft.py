@@ -207,3 +207,28 @@ def test_the_cpu_engine_serves_the_warm_model_in_the_trained_format(warm: dict[s
     hf = greedy_exact_match(warmstart_model_dir(warm["run_dir"]), prompts)["exact_match"]
     assert abs(sum(right) / 64 - hf) <= 0.05  # the engine generates what the exported HF model does
     assert sum(right) >= 13
+
+
+def test_until_loss_stops_the_warm_start_at_the_first_window_that_reaches_it(
+    warm: dict[str, Any], model_dir: Path, tmp_path: Path
+) -> None:
+    from transformers import AutoTokenizer
+
+    from pipeline.consumers.megatron.model import shutdown_parallel
+    from pipeline.consumers.sft import build_sft_model, train_steps
+
+    cfg = warm["cfg"]
+    pairs = tokenize_pairs(sft_prompts(cfg)[:256], AutoTokenizer.from_pretrained(str(model_dir)), where="test")
+    # The shared warm start's loss curve: a target between its first and last window must stop it in between.
+    lines = [json.loads(x) for x in warmstart_metrics_path(warm["run_dir"]).read_text().splitlines()]
+    target = (lines[0]["loss"] + lines[-1]["loss"]) / 2
+    try:
+        model, _, _ = build_sft_model(model_dir, seed=0)
+        ws = cfg.warmstart.model_copy(update={"until_loss": target, "log_every": 5})
+        trainer = SFTTrainer(model, SFTData(pairs, pad_id=0), ws)
+        last = train_steps(trainer, tmp_path / "warmstart.jsonl")
+    finally:
+        shutdown_parallel()
+    written = [json.loads(x) for x in (tmp_path / "warmstart.jsonl").read_text().splitlines()]
+    assert last["loss"] <= target < min(x["loss"] for x in written[:-1])
+    assert trainer.steps_done == last["step"] < ws.steps and trainer.steps_done % 5 == 0

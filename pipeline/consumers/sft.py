@@ -247,7 +247,8 @@ class _Window:
 
 
 def train_steps(trainer: SFTTrainer, metrics_path: Path) -> dict[str, float]:
-    """Run every configured step, writing one metrics line per ``log_every`` steps; returns the last line."""
+    """Run the configured steps (until ``until_loss``, if set), writing one metrics line per ``log_every`` steps;
+    returns the last line."""
     cfg = trainer.cfg
     window, last = _Window(), {}
     start = time.perf_counter()
@@ -265,6 +266,10 @@ def train_steps(trainer: SFTTrainer, metrics_path: Path) -> dict[str, float]:
             out.flush()
             log.info("warm start step %d: loss %.4f, token accuracy %.3f, lr %.2e", step, last["loss"],
                      last["token_accuracy"], last["lr"])
+            if cfg.until_loss is not None and last["loss"] <= cfg.until_loss:
+                log.info("warm start: mean loss %.4f <= until_loss %.4f at step %d; stopping", last["loss"],
+                         cfg.until_loss, step)
+                break
     return last
 
 

@@ -24,7 +24,11 @@ class WarmStartConfig(BaseModel):
     enabled: bool = False
     """Run the warm start before RL in ``sluice run`` (once: a finished one is skipped on a rerun)."""
     steps: int = Field(default=300, ge=1, le=10_000_000)
-    """Optimizer steps of supervised training."""
+    """Optimizer steps of supervised training (the most, with ``until_loss``)."""
+    until_loss: float | None = Field(default=None, gt=0.0, le=1e6)
+    """Stop at the first metrics line (every ``log_every`` steps) whose mean loss is at or below this: a warm start
+    stopped on purpose part way is then equally far along whatever the seed, which a fixed step count is not on
+    the steep part of the curve. None = run every step."""
     batch_size: int = Field(default=64, ge=1, le=1 << 20)
     """(prompt, answer) pairs per optimizer step, drawn without replacement within an epoch."""
     micro_batch_size: int | None = Field(default=None, ge=1, le=1 << 20)
