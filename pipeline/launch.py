@@ -94,7 +94,9 @@ def warm_start(cfg: SluiceConfig, run_dir: Path, sup: Supervisor) -> None:
         return
     child = Child("warmstart", [sys.executable, "-m", "pipeline.processes", "sft", str(run_dir)], _child_env(),
                   run_dir / "logs" / "warmstart.log", restartable=False)
-    print(f"warm start: {cfg.warmstart.steps} steps of SFT (log: {child.log_path})", flush=True)
+    ws = cfg.warmstart
+    until = "" if ws.until_loss is None else f", or until a {ws.log_every}-step window's mean loss <= {ws.until_loss}"
+    print(f"warm start: {ws.steps} steps of SFT{until} (log: {child.log_path})", flush=True)
     sup.add(child)
     assert child.proc is not None
     while (done := read_done(run_dir)) is None:
