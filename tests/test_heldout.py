@@ -530,7 +530,8 @@ def test_sluice_run_evaluates_held_out_snapshots_to_the_end(tmp_path: Path) -> N
                 "--set", "eval.heldout.every_versions=2", "--set", "eval.heldout.samples=2",
                 "--set", "eval.heldout.pass_k=[1, 2]", "--set", "eval.heldout.poll_s=0.2",
                 "--set", "trainer.checkpoint_every=5", "--set", "warmstart.enabled=false",
-                "--set", "trainer.batch_groups=4", "--set", "filters.zero_variance=false", timeout=600)
+                "--set", "trainer.batch_groups=4", "--set", "filters.zero_variance=false",
+                "--set", "eval.enabled=true", timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     print(r.stdout[-2000:])
     assert "held-out pass rate per policy version" in r.stdout
