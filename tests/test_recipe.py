@@ -85,6 +85,9 @@ def test_the_cpu_recipe_runs_every_stage(tmp_path: Path, mode: str) -> None:
     held = _heldout(run_dir)
     assert 8 in held and held[8]["prompts"] == 256
     assert "held-out pass rate per policy version" in out
+    # The wall time the launcher reports covers the whole command (this test's own clock is a little longer).
+    reported = float(re.search(r"wall time: (\d+) s", out).group(1))  # type: ignore[union-attr]
+    assert 0.5 * seconds < reported <= seconds + 1
     audit = _audit(run_dir)
     assert audit.committed_step == 8 and audit.duplicates == 0 and audit.lost == 0
 
