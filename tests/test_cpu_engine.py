@@ -805,3 +805,30 @@ def test_batched_token_selection_samples_each_row_from_its_own_distribution() ->
     seeded = [torch.Generator().manual_seed(5) for _ in range(3)]
     alone = [select_token(logits[i], plain, torch.Generator().manual_seed(5), "temperature") for i in range(3)]
     assert select_tokens(logits, [plain] * 3, seeded, "temperature") == alone
+
+
+def test_unseeded_requests_take_the_batched_sampling_path_and_seeded_ones_keep_their_own_generator(
+    model_dir: Path,
+) -> None:
+    """A per-sequence generator forces row-by-row sampling (a sixth of a decode step on the tiny model), so only
+    requests that ask for a seed get one; the rest draw together from the process RNG the engine's --seed fixes."""
+    from pipeline.producers.cpu_engine.config import CpuEngineConfig
+    from pipeline.producers.cpu_engine.protocol import PromptSpec, SamplingParams
+    from pipeline.producers.cpu_engine.server import Engine
+
+    def spec(**params: Any) -> PromptSpec:
+        return PromptSpec([5, 6, 7], SamplingParams(max_new_tokens=4, temperature=0.8, **params), True, -1, True, 0,
+                          "r")
+
+    def first_tokens(seed: int) -> list[int]:
+        engine = Engine(CpuEngineConfig(model_path=str(model_dir), seed=seed, enable_return_routed_experts=True))
+        seqs = [engine.new_sequence(spec(), j) for j in range(64)]
+        assert all(s.generator is None for s in seqs)
+        engine.generator.admit(seqs)
+        engine.generator.reset()
+        return [s.output_ids[0] for s in seqs]
+
+    assert first_tokens(3) == first_tokens(3)  # --seed still makes an engine's unseeded draws repeat
+    assert first_tokens(3) != first_tokens(4)
+    seeded = Engine(CpuEngineConfig(model_path=str(model_dir))).new_sequence(spec(sampling_seed=11), 2)
+    assert seeded.generator is not None and seeded.generator.initial_seed() == 13

@@ -36,6 +36,7 @@ class CpuEngineConfig(BaseModel):
     initial_weight_version: str = "0"
     """weight_version reported before the first weight update."""
     seed: int = Field(default=0, ge=0)
-    """Seeds the engine's generator of per-request seeds for requests that do not pass sampling_seed."""
+    """Seeds the process RNG that requests without a sampling_seed draw from (batched, so their draws depend on
+    what they are batched with; a request that must repeat itself passes sampling_seed)."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Logging level of the engine process."""
