@@ -176,3 +176,34 @@ def test_a_filter_must_answer_with_a_bool() -> None:
     bad.user = [("user_filters:returns_a_number", resolve_filter("user_filters:returns_a_number"))]
     with pytest.raises(SluiceError, match="returned float; it must return True"):
         bad.check(group)
+
+
+def test_a_capped_step_spends_the_slots_it_left_unused_once(queue: SampleQueue, tmp_path: Path) -> None:
+    """The budget grows by batch_groups per push; a capped step that trains fewer would leave the rest to producers
+    for good, and in sync mode every such surplus group would finish a version late and be dropped."""
+    rng = np.random.default_rng(1)
+    order = [[1.0] * 4, [0.0, 1.0, 1.0, 1.0], *([[1.0] * 4] * 6), [0.0, 0.0, 1.0, 1.0]]
+    groups = [rewarded(rng, r) for r in order]
+    queue.redis.set(queue.keys.groups_started, len(groups))  # every group holds a slot, as a producer's would
+    for i, g in enumerate(groups):
+        queue.redis.hset(queue.keys.group_slots, g[0].group_id, f"{i}:0")
+    queue.put_many(groups)
+
+    def drain() -> Drainer:
+        d = Drainer(queue, Ledger(tmp_path / "ledger"), FRESH, block_ms=10,
+                    filters=FilterConfig(zero_variance=True, max_draw_factor=2.0))
+        d.recover()
+        return d
+
+    batch = drain().next_batch(2, step=7, version=lambda: 0)
+    assert len(batch.groups) == 1 and batch.filters.capped == 1 and batch.slots.released == 4
+    # Held: the trained group, the unused slot of the batch, and the four groups not drained yet.
+    assert int(queue.redis.get(queue.keys.groups_started)) == 1 + 1 + 4
+    assert batch.drain_metrics()["pacing/slots_burned"] == 1.0
+    # A restarted trainer redoes step 7 from its pending entries: nothing is released or spent twice.
+    again = drain().next_batch(2, step=7, version=lambda: 0)
+    assert len(again.groups) == 1 and again.slots.burned == 0
+    assert int(queue.redis.get(queue.keys.groups_started)) == 6
+    # A full batch spends nothing.
+    full = drain().next_batch(1, step=8, version=lambda: 0)
+    assert len(full.groups) == 1 and full.slots.burned == 0 and full.filters.capped == 0

@@ -120,6 +120,19 @@ def judge_group(
     return Judgement("trained", valid, invalid, decision)
 
 
+# Spend the slots a capped step left unused, once per step: the budget grows by batch_groups per push, so a step that
+# trains fewer groups would otherwise leave the difference to producers for good, and pacing would drift out of
+# bounds (in sync mode every surplus group finishes a version late and is dropped). Keyed by the step, so a restarted
+# trainer that redoes a capped step spends nothing twice. KEYS: slots_burned, groups_started; ARGV: step, count.
+_BURN = """
+if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then
+  redis.call('INCRBY', KEYS[2], ARGV[2])
+  return 1
+end
+return 0
+"""
+
+
 @dataclass
 class SlotCounts:
     """Pacing slots a batch gave back (on ``Batch.slots``)."""
@@ -127,11 +140,12 @@ class SlotCounts:
     released: int = 0  # groups that will not be trained, whose slots went back to the producers
     requeued: int = 0  # among them: prompts put back for another generation
     requeue_unknown: int = 0  # requeues whose group had no slot record, so no prompt index to put back
+    burned: int = 0  # slots a capped step left unused and spent, so that producers stay within the budget
 
     def as_metrics(self, prefix: str = "pacing/") -> dict[str, float]:
-        """``pacing/slots_released``, ``pacing/prompts_requeued``, ``pacing/requeue_unknown``."""
+        """The counts as ``pacing/`` metrics."""
         return {f"{prefix}slots_released": float(self.released), f"{prefix}prompts_requeued": float(self.requeued),
-                f"{prefix}requeue_unknown": float(self.requeue_unknown)}
+                f"{prefix}requeue_unknown": float(self.requeue_unknown), f"{prefix}slots_burned": float(self.burned)}
 
 
 @dataclass
@@ -209,6 +223,7 @@ class Drainer:
         self.warn_filtered = warn_filtered
         self._backlog: list[QueueEntry] = []
         self._release = queue.redis.register_script(_RELEASE)
+        self._burn = queue.redis.register_script(_BURN)
         # Consumed entry id -> (group id, producer): at the ack, the slot records of trained groups are forgotten.
         self._entry_groups: dict[str, tuple[str, str]] = {}
 
@@ -282,6 +297,10 @@ class Drainer:
                 log.warning("step %d: group filters removed %d groups and kept %d of %d; is every group alike "
                             "(a collapsed policy, or a reward that cannot tell answers apart)?", step,
                             batch.filters.groups, len(batch.groups), batch_groups)
+        if batch.filters.capped and len(batch.groups) < batch_groups:
+            unused = batch_groups - len(batch.groups)
+            keys = [self.queue.keys.slots_burned, self.queue.keys.groups_started]
+            batch.slots.burned = unused * int(self._burn(keys=keys, args=[step, unused]))
         return batch
 
     def _requeues(self, group_id: str, producer: str) -> int:

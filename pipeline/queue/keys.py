@@ -61,6 +61,11 @@ class RunKeys:
         return f"{self.prefix}:groups_started"
 
     @property
+    def slots_burned(self) -> str:
+        """Hash step -> the slots a capped step left unused and spent anyway (see docs/queue.md, "Pacing slots")."""
+        return f"{self.prefix}:slots_burned"
+
+    @property
     def group_slots(self) -> str:
         """Hash group_id -> slot item of every queued group that still holds its pacing slot."""
         return f"{self.prefix}:group_slots"
