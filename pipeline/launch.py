@@ -95,7 +95,9 @@ def warm_start(cfg: SluiceConfig, run_dir: Path, sup: Supervisor) -> None:
     child = Child("warmstart", [sys.executable, "-m", "pipeline.processes", "sft", str(run_dir)], _child_env(),
                   run_dir / "logs" / "warmstart.log", restartable=False)
     ws = cfg.warmstart
-    until = "" if ws.until_loss is None else f", or until a {ws.log_every}-step window's mean loss <= {ws.until_loss}"
+    stops = ([] if ws.until_loss is None else [f"mean loss <= {ws.until_loss}"]) + (
+        [] if ws.until_exact_match is None else [f"exact match >= {ws.until_exact_match}"])
+    until = f", or until a {ws.log_every}-step window's {' or '.join(stops)}" if stops else ""
     print(f"warm start: {ws.steps} steps of SFT{until} (log: {child.log_path})", flush=True)
     sup.add(child)
     assert child.proc is not None

@@ -53,7 +53,7 @@ def test_the_loss_scores_answer_tokens_and_eos_only() -> None:
     assert batch.num_targets == 5
 
     logits = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(0))
-    loss, _ = sft_loss(logits, batch, batch.num_targets)
+    loss, _, _ = sft_loss(logits, batch, batch.num_targets)
     prompt_positions = logits.clone()
     prompt_positions[0, :2] += 50 * torch.randn(2, 16)  # predictions of prompt tokens 6 and 7
     prompt_positions[1, 0] += 50 * torch.randn(16)
@@ -67,6 +67,16 @@ def test_the_loss_scores_answer_tokens_and_eos_only() -> None:
     nll = -torch.log_softmax(logits, -1)
     expected = (nll[0, 2, 8] + nll[0, 3, 9] + nll[0, 4, eos] + nll[1, 1, 10] + nll[1, 2, eos]) / 5
     assert torch.allclose(loss, expected)
+
+    # Exact match counts rows whose every target is the argmax: row 0 all three, row 1 all but its EOS.
+    forced = torch.zeros(2, 6, 16)
+    for row, t, token in ((0, 2, 8), (0, 3, 9), (0, 4, eos), (1, 1, 10)):
+        forced[row, t, token] = 10.0
+    forced[1, 2, 3] = 10.0  # row 1 predicts token 3 where EOS belongs
+    _, tokens_right, rows_right = sft_loss(forced, batch, batch.num_targets)
+    assert (int(tokens_right), int(rows_right)) == (4, 1)
+    forced[1, 2, eos] = 20.0
+    assert int(sft_loss(forced, batch, batch.num_targets)[2]) == 2
 
 
 def test_pairs_are_tokenised_apart_with_eos_appended() -> None:
@@ -231,4 +241,56 @@ def test_until_loss_stops_the_warm_start_at_the_first_window_that_reaches_it(
         shutdown_parallel()
     written = [json.loads(x) for x in (tmp_path / "warmstart.jsonl").read_text().splitlines()]
     assert last["loss"] <= target < min(x["loss"] for x in written[:-1])
+    assert trainer.steps_done == last["step"] < ws.steps and trainer.steps_done % 5 == 0
+
+
+def test_the_training_exact_match_is_what_greedy_decoding_gets_right(warm: dict[str, Any]) -> None:
+    """Teacher forcing and greedy decoding agree up to the first wrong token, so a row whose every answer token is
+    the argmax is one greedy answers exactly: the warm start's exact match (and ``until_exact_match``) measure RL's
+    reward at no generation cost."""
+    from transformers import AutoTokenizer
+
+    from pipeline.consumers.megatron.model import forward_logits, shutdown_parallel
+    from pipeline.consumers.sft import build_sft_model
+
+    cfg, run_dir = warm["cfg"], warm["run_dir"]
+    model_dir = warmstart_model_dir(run_dir)
+    prompts = sft_prompts(cfg)[:256]
+    pairs = tokenize_pairs(prompts, AutoTokenizer.from_pretrained(str(model_dir)), where="test")
+    batch = SFTData(pairs, pad_id=0).batch(np.arange(len(pairs)))
+    try:
+        model, _, _ = build_sft_model(model_dir, seed=0)
+        model.eval()
+        with torch.no_grad():
+            _, _, rows_right = sft_loss(forward_logits(model, batch.input_ids, batch.attention_mask), batch,
+                                        batch.num_targets)
+    finally:
+        shutdown_parallel()
+    greedy = greedy_exact_match(model_dir, prompts)["exact_match"]
+    print(f"teacher-forced exact match {int(rows_right) / len(pairs):.3f}, greedy {greedy:.3f}")
+    assert 0.05 < greedy < 0.95  # a model part way, where the two could differ
+    assert abs(int(rows_right) - round(greedy * len(pairs))) <= 2  # float ties between megatron and HF at most
+
+
+def test_until_exact_match_stops_the_warm_start_once_a_window_reaches_it(
+    warm: dict[str, Any], model_dir: Path, tmp_path: Path
+) -> None:
+    from transformers import AutoTokenizer
+
+    from pipeline.consumers.megatron.model import shutdown_parallel
+    from pipeline.consumers.sft import build_sft_model, train_steps
+
+    cfg = warm["cfg"]
+    pairs = tokenize_pairs(sft_prompts(cfg), AutoTokenizer.from_pretrained(str(model_dir)), where="test")
+    lines = [json.loads(x) for x in warmstart_metrics_path(warm["run_dir"]).read_text().splitlines()]
+    target = (lines[0]["exact_match"] + lines[-1]["exact_match"]) / 2
+    try:
+        model, _, _ = build_sft_model(model_dir, seed=0)
+        ws = cfg.warmstart.model_copy(update={"until_exact_match": target, "log_every": 5})
+        trainer = SFTTrainer(model, SFTData(pairs, pad_id=0), ws)
+        last = train_steps(trainer, tmp_path / "warmstart.jsonl")
+    finally:
+        shutdown_parallel()
+    written = [json.loads(x) for x in (tmp_path / "warmstart.jsonl").read_text().splitlines()]
+    assert last["exact_match"] >= target > max(x["exact_match"] for x in written[:-1])
     assert trainer.steps_done == last["step"] < ws.steps and trainer.steps_done % 5 == 0

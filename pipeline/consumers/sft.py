@@ -167,18 +167,25 @@ class BatchOrder:
         return out
 
 
-def sft_loss(logits: torch.Tensor, batch: SFTBatch, num_targets: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cross-entropy summed over the batch's target tokens / ``num_targets``, count of targets the argmax gets right).
+def sft_loss(
+    logits: torch.Tensor, batch: SFTBatch, num_targets: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(cross-entropy summed over the batch's target tokens / ``num_targets``, count of targets the argmax gets right,
+    count of rows whose every target the argmax gets right).
 
     Only answer and EOS positions are scored; the prompt is context, since training on it would teach the policy to
     write prompts and weight each pair by its prompt's length. Dividing by the whole step's target count rather than
-    this micro-batch's makes the micro-batch losses add up to the step's token mean, however the step is split.
+    this micro-batch's makes the micro-batch losses add up to the step's token mean, however the step is split. A row
+    with every target right is one greedy decoding answers exactly (teacher forcing and greedy agree until the first
+    wrong token).
     """
     mask = batch.loss_mask
+    hits = (logits[:, :-1].argmax(-1) == batch.input_ids[:, 1:]) & mask
     picked = logits[:, :-1][mask].float()
     targets = batch.input_ids[:, 1:][mask]
     nll = F.cross_entropy(picked, targets, reduction="sum")
-    return nll / max(num_targets, 1), (picked.argmax(-1) == targets).sum()
+    rows_right = (hits.sum(-1) == mask.sum(-1)) & mask.any(-1)
+    return nll / max(num_targets, 1), hits.sum(), rows_right.sum()
 
 
 # --------------------------------------------------------------------------------------------------------- trainer
@@ -212,19 +219,22 @@ class SFTTrainer:
         targets = batch.num_targets
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum, right = 0.0, 0
+        loss_sum, right, rows_right = 0.0, 0, 0
         for micro in batch.split(self.cfg.micro_batch_size):
-            loss, correct = sft_loss(forward_logits(self.model, micro.input_ids, micro.attention_mask), micro, targets)
+            logits = forward_logits(self.model, micro.input_ids, micro.attention_mask)
+            loss, correct, exact = sft_loss(logits, micro, targets)
             loss.backward()
             loss_sum += float(loss.detach())
             right += int(correct)
+            rows_right += int(exact)
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip or math.inf)
         if not (math.isfinite(loss_sum) and math.isfinite(float(norm))):
             raise SluiceError(f"the warm start diverged at step {self.steps_done} (loss {loss_sum}, gradient norm "
                               f"{float(norm)}); lower warmstart.lr or set warmstart.grad_clip")
         self.optimizer.step()
         self.steps_done += 1
-        return {"loss": loss_sum, "token_accuracy": right / max(targets, 1), "lr": lr, "grad_norm": float(norm),
+        return {"loss": loss_sum, "token_accuracy": right / max(targets, 1),
+                "exact_match": rows_right / batch.input_ids.shape[0], "lr": lr, "grad_norm": float(norm),
                 "targets": float(targets)}
 
 
@@ -247,8 +257,8 @@ class _Window:
 
 
 def train_steps(trainer: SFTTrainer, metrics_path: Path) -> dict[str, float]:
-    """Run the configured steps (until ``until_loss``, if set), writing one metrics line per ``log_every`` steps;
-    returns the last line."""
+    """Run the configured steps (until ``until_loss`` or ``until_exact_match``, if set), writing one metrics line per
+    ``log_every`` steps; returns the last line."""
     cfg = trainer.cfg
     window, last = _Window(), {}
     start = time.perf_counter()
@@ -260,15 +270,19 @@ def train_steps(trainer: SFTTrainer, metrics_path: Path) -> dict[str, float]:
                 continue
             means = window.take()
             last = {"step": step, "loss": means["loss"], "token_accuracy": means["token_accuracy"],
-                    "lr": trainer.optimizer.param_groups[0]["lr"], "grad_norm": means["grad_norm"],
-                    "seconds": time.perf_counter() - start}
+                    "exact_match": means["exact_match"], "lr": trainer.optimizer.param_groups[0]["lr"],
+                    "grad_norm": means["grad_norm"], "seconds": time.perf_counter() - start}
             out.write(json.dumps(last) + "\n")
             out.flush()
-            log.info("warm start step %d: loss %.4f, token accuracy %.3f, lr %.2e", step, last["loss"],
-                     last["token_accuracy"], last["lr"])
+            log.info("warm start step %d: loss %.4f, token accuracy %.3f, exact match %.3f, lr %.2e", step,
+                     last["loss"], last["token_accuracy"], last["exact_match"], last["lr"])
             if cfg.until_loss is not None and last["loss"] <= cfg.until_loss:
                 log.info("warm start: mean loss %.4f <= until_loss %.4f at step %d; stopping", last["loss"],
                          cfg.until_loss, step)
+                break
+            if cfg.until_exact_match is not None and last["exact_match"] >= cfg.until_exact_match:
+                log.info("warm start: exact match %.3f >= until_exact_match %.3f at step %d; stopping",
+                         last["exact_match"], cfg.until_exact_match, step)
                 break
     return last
 
@@ -423,9 +437,9 @@ def run_warmstart(cfg: SluiceConfig, run_dir: Path, base_model: Path) -> dict[st
 
     Uses ``cfg.warmstart`` whether or not it is enabled (``enabled`` only tells ``sluice run`` to call this).
     Initialises and tears down a one-process torch.distributed world. Returns the summary written to ``done.json``:
-    steps, pairs, final_loss and final_token_accuracy (means over the last metrics window), steps_per_s,
-    phase_seconds (setup, train, save, eval), seconds (the whole call), eval (exact_match, stop_rate, prompts,
-    split; None when eval_prompts = 0) and the [warmstart] config it ran with.
+    steps, pairs, final_loss, final_token_accuracy and final_exact_match (means over the last metrics window),
+    steps_per_s, phase_seconds (setup, train, save, eval), seconds (the whole call), eval (exact_match, stop_rate,
+    prompts, split; None when eval_prompts = 0) and the [warmstart] config it ran with.
     """
     from transformers import AutoTokenizer
 
@@ -468,6 +482,7 @@ def run_warmstart(cfg: SluiceConfig, run_dir: Path, base_model: Path) -> dict[st
     summary: dict[str, Any] = {
         "steps": trainer.steps_done, "pairs": len(data), "source": where,
         "final_loss": last["loss"], "final_token_accuracy": last["token_accuracy"],
+        "final_exact_match": last["exact_match"],
         "steps_per_s": trainer.steps_done / seconds["train"], "phase_seconds": seconds,
         "checkpoint": "checkpoint", "model": "model", "config": ws.model_dump(mode="json"), "eval": None,
     }

@@ -24,11 +24,17 @@ class WarmStartConfig(BaseModel):
     enabled: bool = False
     """Run the warm start before RL in ``sluice run`` (once: a finished one is skipped on a rerun)."""
     steps: int = Field(default=300, ge=1, le=10_000_000)
-    """Optimizer steps of supervised training (the most, with ``until_loss``)."""
+    """Optimizer steps of supervised training (the most, with ``until_loss`` or ``until_exact_match``)."""
     until_loss: float | None = Field(default=None, gt=0.0, le=1e6)
     """Stop at the first metrics line (every ``log_every`` steps) whose mean loss is at or below this: a warm start
     stopped on purpose part way is then equally far along whatever the seed, which a fixed step count is not on
     the steep part of the curve. None = run every step."""
+    until_exact_match: float | None = Field(default=None, gt=0.0, le=1.0)
+    """Stop at the first metrics line whose exact match reaches this: the fraction of the window's training pairs
+    whose every answer token (and EOS) is the argmax given the right tokens before it, which is exactly what greedy
+    decoding gets right, at no extra cost. It ties the warm start to RL's own reward, so every seed starts RL at
+    the same pass rate (equal losses can mean different pass rates). None = no such stop; with ``until_loss`` too,
+    the first criterion met stops it."""
     batch_size: int = Field(default=64, ge=1, le=1 << 20)
     """(prompt, answer) pairs per optimizer step, drawn without replacement within an epoch."""
     micro_batch_size: int | None = Field(default=None, ge=1, le=1 << 20)
@@ -91,6 +97,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     line = (f"warm start: {summary['steps']} steps in {summary['seconds']:.1f} s "
             f"({summary['steps_per_s']:.1f} steps/s), final loss {summary['final_loss']:.4f}, "
             f"token accuracy {summary['final_token_accuracy']:.3f}")
+    if "final_exact_match" in summary:  # absent from warm starts written before it was measured
+        line += f", exact match {summary['final_exact_match']:.3f}"
     ev = summary.get("eval")
     if ev:
         line += (f"; greedy exact match {ev['exact_match']:.3f} on {ev['prompts']} {ev['split']} prompts "
