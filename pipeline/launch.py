@@ -130,6 +130,7 @@ class Child:
     done: bool = False
 
     def start(self) -> None:
+        self.reap_group()  # what the previous run of this child left behind
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as out:
             # Own session: a Ctrl-C to the launcher reaches children through the launcher's orderly shutdown only.
@@ -145,6 +146,21 @@ class Child:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self.reap_group()
+
+    def reap_group(self) -> None:
+        """SIGKILL what is left of this child's process group once the child itself has exited.
+
+        Each child leads its own session, so its group holds the child and what it started. A multiprocessing
+        server a trainer started (a manager for megatron's checkpoint writers) is never told that its parent was
+        killed with SIGKILL, and would otherwise outlive the run.
+        """
+        if self.proc is None or self.proc.poll() is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass  # nothing left in the group
 
 
 @dataclass
@@ -194,6 +210,8 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 child.proc.kill()  # type: ignore[union-attr]
                 child.proc.wait()  # type: ignore[union-attr]
+        for child in self.children.values():
+            child.reap_group()
 
 
 def _child_env(threads: int = 1, **extra: str) -> dict[str, str]:

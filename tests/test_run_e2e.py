@@ -50,17 +50,33 @@ def test_sluice_run_survives_kill_9_of_trainer_and_producer(tmp_path: Path) -> N
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     launcher = psutil.Process(proc.pid)
+    # Every process the run ever started, seen while it was still the launcher's descendant: one orphaned by the
+    # kill (a multiprocessing server of the trainer's, say) has no run folder in its command line to find it by.
+    started: dict[int, psutil.Process] = {}
+
+    def watch() -> None:
+        try:
+            started.update({p.pid: p for p in launcher.children(recursive=True)})
+        except psutil.Error:
+            pass
+
     try:
         deadline = time.monotonic() + 300
         while len(_steps(run_dir)) < 5:
             assert proc.poll() is None, (tmp_path / "launcher.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "no training progress"
+            watch()
             time.sleep(0.1)
+        watch()
         victims = [_child(launcher, "trainer"), _child(launcher, "producer")]
         assert all(victims)
         for v in victims:
             v.send_signal(signal.SIGKILL)  # a crash, not a shutdown; both were started by our launcher
-        assert proc.wait(timeout=600) == 0, (tmp_path / "launcher.log").read_text()[-3000:]
+        deadline = time.monotonic() + 600
+        while proc.poll() is None and time.monotonic() < deadline:
+            watch()
+            time.sleep(0.2)
+        assert proc.wait(timeout=5) == 0, (tmp_path / "launcher.log").read_text()[-3000:]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -89,6 +105,16 @@ def test_sluice_run_survives_kill_9_of_trainer_and_producer(tmp_path: Path) -> N
         handle.close(stop_server=True)
     # Nothing of the run is left behind.
     assert not [p for p in psutil.process_iter(["cmdline"]) if str(run_dir) in " ".join(p.info["cmdline"] or [])]
+    assert len(started) > 5
+
+    def alive(p: psutil.Process) -> bool:
+        try:
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    left = [p.pid for p in started.values() if alive(p)]
+    assert not left, f"processes of the run still alive: {left}"
 
 
 def test_sluice_run_with_two_expert_parallel_trainer_ranks(tmp_path: Path) -> None:
