@@ -139,6 +139,7 @@ class Child:
 
     def stop(self, timeout_s: float = 30.0) -> None:
         if self.proc is None or self.proc.poll() is not None:
+            self.reap_group()  # the child is gone, but what it started may not be
             return
         self.proc.send_signal(signal.SIGTERM)
         try:

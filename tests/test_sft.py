@@ -219,29 +219,38 @@ def test_the_cpu_engine_serves_the_warm_model_in_the_trained_format(warm: dict[s
     assert sum(right) >= 13
 
 
-def test_until_loss_stops_the_warm_start_at_the_first_window_that_reaches_it(
-    warm: dict[str, Any], model_dir: Path, tmp_path: Path
-) -> None:
+def _train_until(warm: dict[str, Any], model_dir: Path, tmp_path: Path, pairs_count: int | None,
+                 stop: str, metric: str) -> tuple[SFTTrainer, dict[str, float], list[dict[str, float]], float]:
+    """Train from the base model with ``warmstart.<stop>`` set halfway between the first and last window of the shared
+    warm start's ``metric``; returns the trainer, its last line, every line written, and the target."""
     from transformers import AutoTokenizer
 
     from pipeline.consumers.megatron.model import shutdown_parallel
     from pipeline.consumers.sft import build_sft_model, train_steps
 
     cfg = warm["cfg"]
-    pairs = tokenize_pairs(sft_prompts(cfg)[:256], AutoTokenizer.from_pretrained(str(model_dir)), where="test")
-    # The shared warm start's loss curve: a target between its first and last window must stop it in between.
+    pairs = tokenize_pairs(sft_prompts(cfg)[:pairs_count], AutoTokenizer.from_pretrained(str(model_dir)),
+                           where="test")
     lines = [json.loads(x) for x in warmstart_metrics_path(warm["run_dir"]).read_text().splitlines()]
-    target = (lines[0]["loss"] + lines[-1]["loss"]) / 2
+    target = (lines[0][metric] + lines[-1][metric]) / 2
     try:
         model, _, _ = build_sft_model(model_dir, seed=0)
-        ws = cfg.warmstart.model_copy(update={"until_loss": target, "log_every": 5})
+        ws = cfg.warmstart.model_copy(update={stop: target, "log_every": 5})
         trainer = SFTTrainer(model, SFTData(pairs, pad_id=0), ws)
         last = train_steps(trainer, tmp_path / "warmstart.jsonl")
     finally:
         shutdown_parallel()
     written = [json.loads(x) for x in (tmp_path / "warmstart.jsonl").read_text().splitlines()]
-    assert last["loss"] <= target < min(x["loss"] for x in written[:-1])
     assert trainer.steps_done == last["step"] < ws.steps and trainer.steps_done % 5 == 0
+    return trainer, last, written, target
+
+
+def test_until_loss_stops_the_warm_start_at_the_first_window_that_reaches_it(
+    warm: dict[str, Any], model_dir: Path, tmp_path: Path
+) -> None:
+    # The shared warm start's loss curve: a target between its first and last window must stop it in between.
+    _, last, written, target = _train_until(warm, model_dir, tmp_path, 256, "until_loss", "loss")
+    assert last["loss"] <= target < min(x["loss"] for x in written[:-1])
 
 
 def test_the_training_exact_match_is_what_greedy_decoding_gets_right(warm: dict[str, Any]) -> None:
@@ -275,22 +284,5 @@ def test_the_training_exact_match_is_what_greedy_decoding_gets_right(warm: dict[
 def test_until_exact_match_stops_the_warm_start_once_a_window_reaches_it(
     warm: dict[str, Any], model_dir: Path, tmp_path: Path
 ) -> None:
-    from transformers import AutoTokenizer
-
-    from pipeline.consumers.megatron.model import shutdown_parallel
-    from pipeline.consumers.sft import build_sft_model, train_steps
-
-    cfg = warm["cfg"]
-    pairs = tokenize_pairs(sft_prompts(cfg), AutoTokenizer.from_pretrained(str(model_dir)), where="test")
-    lines = [json.loads(x) for x in warmstart_metrics_path(warm["run_dir"]).read_text().splitlines()]
-    target = (lines[0]["exact_match"] + lines[-1]["exact_match"]) / 2
-    try:
-        model, _, _ = build_sft_model(model_dir, seed=0)
-        ws = cfg.warmstart.model_copy(update={"until_exact_match": target, "log_every": 5})
-        trainer = SFTTrainer(model, SFTData(pairs, pad_id=0), ws)
-        last = train_steps(trainer, tmp_path / "warmstart.jsonl")
-    finally:
-        shutdown_parallel()
-    written = [json.loads(x) for x in (tmp_path / "warmstart.jsonl").read_text().splitlines()]
+    _, last, written, target = _train_until(warm, model_dir, tmp_path, None, "until_exact_match", "exact_match")
     assert last["exact_match"] >= target > max(x["exact_match"] for x in written[:-1])
-    assert trainer.steps_done == last["step"] < ws.steps and trainer.steps_done % 5 == 0
