@@ -51,6 +51,9 @@ class QueueConfig(_Strict):
     """AOF fsync policy of the embedded server: 'always' survives a machine crash, 'everysec' a process crash."""
     capacity: int = Field(1024, ge=1)
     """Entries (prompt groups) the trainer may lag behind before producers block."""
+    routing_codec: Literal["compact", "plain"] = "compact"
+    """How producers write MoE routing: 'compact' (one lossless block per group, about a third of the bytes) or
+    'plain' (a uint8/uint16 array per sample). Consumers read both."""
     put_timeout_s: float = Field(600.0, gt=0)
     """How long a producer waits for room before failing with QueueFullError."""
     claim_idle_ms: int = Field(60_000, ge=1000)

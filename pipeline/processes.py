@@ -35,7 +35,8 @@ def producer_main(run_dir: Path, name: str) -> None:
     model_dir = model_folder(cfg)
     urls = json.loads((run_dir / "engines.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    handle = open_run(run_dir=run_dir, redis_url=cfg.queue.redis_url, capacity=cfg.queue.capacity)
+    handle = open_run(run_dir=run_dir, redis_url=cfg.queue.redis_url, capacity=cfg.queue.capacity,
+                      routing_codec=cfg.queue.routing_codec)
 
     hf = json.loads((model_dir / "config.json").read_text())
     num_experts = read_num_experts(model_dir)

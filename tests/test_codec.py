@@ -88,7 +88,7 @@ def test_routing_dtype_follows_expert_count() -> None:
 
 
 def _good_map(rng: np.random.Generator) -> dict:
-    return msgpack.unpackb(encode_samples([make_sample(rng)]), raw=False)
+    return msgpack.unpackb(encode_samples([make_sample(rng)], routing="plain"), raw=False)
 
 
 def _encode_map(env: dict) -> bytes:

@@ -232,7 +232,8 @@ class Trainer:
             if batch is None:
                 self._stop = True
             return batch
-        payload = None if batch is None else [encode_samples(g) for g in batch.groups]
+        # Plain routing: the share is one in-memory broadcast, where compressing would only cost time.
+        payload = None if batch is None else [encode_samples(g, routing="plain") for g in batch.groups]
         shared = self._share({"groups": payload})
         if shared["groups"] is None:
             self._stop = True

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -593,6 +593,8 @@ class ProducerSpec(BaseModel):
     """The staleness budget; None admits without limit."""
     queue_capacity: int = Field(default=1024, ge=1)
     """Entries the trainer group may lag behind before ``put`` blocks."""
+    routing_codec: Literal["compact", "plain"] = "compact"
+    """How ``put`` writes MoE routing (``pipeline.queue.codec``)."""
     request_timeout_s: float = Field(default=600.0, gt=0)
     """Longest wait for one /generate answer."""
 
@@ -612,7 +614,8 @@ async def open_producer(spec: ProducerSpec) -> AsyncIterator[Producer]:
     try:
         pacing = None if spec.pacing is None else Pacing(spec.pacing.max_lag, spec.pacing.batch_groups)
         yield Producer(
-            spec.producer, name=spec.name, queue=SampleQueue(redis_client, spec.run, capacity=spec.queue_capacity),
+            spec.producer, name=spec.name, queue=SampleQueue(redis_client, spec.run, capacity=spec.queue_capacity,
+                                                       routing_codec=spec.routing_codec),
             engine=pool, prompts=prompts, tokenize=tokenize, reward_fn=reward_fn, pacing=pacing,
             num_experts=num_experts,
         )  # fmt: skip

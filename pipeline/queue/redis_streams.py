@@ -16,7 +16,14 @@ import redis
 
 from pipeline.errors import PutAbortedError, QueueError, QueueFullError, SampleDecodeError, SampleError
 from pipeline.queue.base import GroupStats, QueueEntry, QueueStats
-from pipeline.queue.codec import KNOWN_SCHEMA_VERSIONS, SCHEMA_VERSION, decode_samples, encode_samples
+from pipeline.queue.codec import (
+    KNOWN_SCHEMA_VERSIONS,
+    ROUTING_CODECS,
+    SCHEMA_VERSION,
+    RoutingCodec,
+    decode_samples,
+    encode_samples,
+)
 from pipeline.queue.keys import RunKeys
 from pipeline.queue.sample import Sample
 
@@ -102,6 +109,7 @@ class SampleQueue:
     """Durable queue of sample groups on a Redis stream (see ARCHITECTURE.md, "Redis layout").
 
     ``capacity`` bounds the entries not yet delivered to ``backpressure_group``; ``put`` blocks while it is reached.
+    ``routing_codec`` is how ``put`` writes MoE routing (``pipeline.queue.codec``); reads take either.
     """
 
     def __init__(
@@ -112,9 +120,13 @@ class SampleQueue:
         capacity: int = 1024,
         backpressure_group: str = "trainer",
         poll_s: float = 0.05,
+        routing_codec: RoutingCodec = "compact",
     ) -> None:
         if capacity < 1:
             raise QueueError(f"capacity must be >= 1, got {capacity}")
+        if routing_codec not in ROUTING_CODECS:
+            raise QueueError(f"routing_codec={routing_codec!r}; choose one of {list(ROUTING_CODECS)}")
+        self.routing_codec: RoutingCodec = routing_codec
         self.redis = client
         self.keys = RunKeys(run)
         self.capacity = capacity
@@ -176,13 +188,13 @@ class SampleQueue:
             pipe.xadd(self.keys.samples, {**fields, "seq": base + i + 1})
         return [_s(i) for i in pipe.execute()]
 
-    @staticmethod
-    def _encode_entry(group: Sequence[Sample]) -> dict[str, Any]:
+    def _encode_entry(self, group: Sequence[Sample]) -> dict[str, Any]:
         if not group:
             raise SampleError("a queue entry needs at least one sample; got an empty group")
         versions = [v for s in group for v in (s.version_min, s.version_max) if v is not None]
         vmin, vmax = (min(versions), max(versions)) if versions else (-1, -1)
-        return {"v": SCHEMA_VERSION, "n": len(group), "vmin": vmin, "vmax": vmax, "data": encode_samples(group)}
+        data = encode_samples(group, routing=self.routing_codec)
+        return {"v": SCHEMA_VERSION, "n": len(group), "vmin": vmin, "vmax": vmax, "data": data}
 
     def lag(self, group: str) -> int | None:
         """Entries not yet delivered to ``group``; None if the group does not exist."""

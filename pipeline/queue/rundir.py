@@ -14,6 +14,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from pipeline.errors import ConfigError
+from pipeline.queue.codec import RoutingCodec
 from pipeline.queue.connection import connect, redact_url
 from pipeline.queue.keys import check_run_name
 from pipeline.queue.redis_server import AppendFsync, EmbeddedRedis
@@ -56,6 +57,7 @@ def open_run(
     create: bool = False,
     appendfsync: AppendFsync = "everysec",
     capacity: int = 1024,
+    routing_codec: RoutingCodec = "compact",
 ) -> RunHandle:
     """Open a run by folder (``--run-dir``) or by URL and name (``--redis URL --run NAME``).
 
@@ -67,7 +69,8 @@ def open_run(
         if not (redis_url and run):
             raise ConfigError("name the run: either --run-dir DIR, or --redis URL together with --run NAME")
         check_run_name(run)
-        return RunHandle(run, None, redis_url, SampleQueue(connect(redis_url), run, capacity=capacity), None)
+        queue = SampleQueue(connect(redis_url), run, capacity=capacity, routing_codec=routing_codec)
+        return RunHandle(run, None, redis_url, queue, None)
 
     folder = Path(run_dir)
     run_file = folder / RUN_FILE
@@ -98,4 +101,5 @@ def open_run(
                 f"{folder} has no embedded Redis state (redis/); was the run started with an external URL?")
         server.start()
         redis_url = server.url
-    return RunHandle(run, folder, redis_url, SampleQueue(connect(redis_url), run, capacity=capacity), server)
+    queue = SampleQueue(connect(redis_url), run, capacity=capacity, routing_codec=routing_codec)
+    return RunHandle(run, folder, redis_url, queue, server)
