@@ -19,6 +19,7 @@ replayed top-k in that order, and for top-k > 2 a reordered row gives log-probs 
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,12 +37,32 @@ _ROUTING_DTYPES = {d.str: d for d in ARRAY_DTYPES["routed_experts"]}
 _BLOCK_KEYS = frozenset({"codec", "dtype", "layers", "topk", "rows", "shared", "sharing", "size", "data"})
 
 
+class _Scratch(threading.local):
+    """Per-thread buffers the encoder reuses. A fresh multi-megabyte array is mapped page by page on first touch,
+    which made the encoder's copies 3-4x slower than copying into memory already mapped."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, np.ndarray] = {}
+
+    def take(self, name: str, nbytes: int) -> np.ndarray:
+        buf = self.buffers.get(name)
+        if buf is None or buf.size < nbytes:
+            buf = self.buffers[name] = np.empty(max(nbytes, 1 << 16) * 5 // 4, np.uint8)
+        return buf[:nbytes]
+
+
+_SCRATCH = _Scratch()
+
+
+def _item_dtype(layers_dtype: np.dtype[Any], topk: int) -> np.dtype[Any]:
+    width = topk * layers_dtype.itemsize
+    return np.dtype({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}.get(width, (np.void, width)))
+
+
 def _row_view(rows: np.ndarray) -> np.ndarray:
     """``[N, L, K]`` ids as ``[N, L]`` items of K ids each, so that gathers and transposes move whole rows of a
     layer instead of single bytes."""
-    width = rows.shape[2] * rows.dtype.itemsize
-    item = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}.get(width, np.dtype((np.void, width)))
-    return np.ascontiguousarray(rows).view(item).reshape(rows.shape[:2])
+    return np.ascontiguousarray(rows).view(_item_dtype(rows.dtype, rows.shape[2])).reshape(rows.shape[:2])
 
 
 def _shared_prefix(routed: Sequence[Sample]) -> tuple[int, list[bool]]:
@@ -96,14 +117,19 @@ def encode_routing(samples: Sequence[Sample]) -> dict[str, Any]:
     shared, sharing = _shared_prefix(routed)
     parts = [first[:shared]] if shared else []
     parts += [s.routed_experts[shared if takes else 0:] for s, takes in zip(routed, sharing)]  # type: ignore[index]
-    stacked = np.concatenate(parts)
+    stored = sum(p.shape[0] for p in parts)
+    size = stored * layers * topk * first.dtype.itemsize
+    item = _item_dtype(first.dtype, topk)
+    stacked = _SCRATCH.take("stacked", size).view(item).reshape(stored, layers)
+    np.concatenate([_row_view(p) for p in parts], out=stacked)
     tokens = [(s.prompt_ids, s.response_ids, s.routed_experts.shape[0]) for s in routed]  # type: ignore[union-attr]
     order = np.argsort(_token_keys(tokens, shared, sharing), kind="stable")
     # Gather in token order and go layer-major in one pass: [N, L] row items -> [L, N].
-    laid_out = np.ascontiguousarray(_row_view(stacked)[order].T)
-    raw = laid_out.tobytes()
-    packed = _ZSTD.compress(raw, asbytes=True)
-    codec, data = ("zstd", packed) if len(packed) < len(raw) else ("none", raw)
+    laid_out = _SCRATCH.take("laid_out", size).view(item).reshape(layers, stored)
+    np.take(stacked.T, order, axis=1, out=laid_out)
+    packed = _ZSTD.compress(pa.py_buffer(laid_out))
+    # A memoryview of Arrow's buffer packs as msgpack bin without a copy; the raw fallback must leave the scratch.
+    codec, data = ("zstd", memoryview(packed)) if packed.size < size else ("none", laid_out.tobytes())
     it = iter(sharing)
     return {
         "codec": codec,
@@ -113,7 +139,7 @@ def encode_routing(samples: Sequence[Sample]) -> dict[str, Any]:
         "rows": [-1 if s.routed_experts is None else int(s.routed_experts.shape[0]) for s in samples],
         "shared": shared,
         "sharing": [s.routed_experts is not None and next(it) for s in samples],
-        "size": len(raw),
+        "size": size,
         "data": data,
     }
 
@@ -167,7 +193,7 @@ def decode_routing(block: Any, samples: Sequence[Sample]) -> list[np.ndarray | N
         raise SampleDecodeError(f"routing: declares {block['size']} bytes but its rows need {size}")
     if block["codec"] == "zstd":
         try:
-            raw = _ZSTD.decompress(block["data"], decompressed_size=size, asbytes=True)
+            raw = memoryview(_ZSTD.decompress(block["data"], decompressed_size=size))
         except (OSError, ValueError, pa.ArrowException) as e:
             raise SampleDecodeError(f"routing: corrupt zstd data ({e})") from None
     else:
@@ -185,7 +211,7 @@ def decode_routing(block: Any, samples: Sequence[Sample]) -> list[np.ndarray | N
     if keys.size != stored:
         raise SampleDecodeError(f"routing: {stored} stored rows but the samples' tokens name {keys.size}")
     order = np.argsort(keys, kind="stable")
-    item = _row_view(np.zeros((0, layers, topk), dtype)).dtype
+    item = _item_dtype(dtype, topk)
     laid_out = np.frombuffer(raw, dtype=item).reshape(layers, stored)
     # Stored row j sits at column rank[j] of the layer-major layout; every output row names its stored row.
     rank = np.empty_like(order)
