@@ -124,9 +124,25 @@ def cmd_queue_audit(args: argparse.Namespace) -> int:
 
 def cmd_bench_queue(args: argparse.Namespace) -> int:
     from dataclasses import fields
+    from pathlib import Path
 
     from pipeline.benchmarks.queue import QueueBenchParams, run_queue_bench
+    from pipeline.benchmarks.queue_e2e import QueueE2EParams, run_queue_e2e_bench, summary_lines
 
+    if args.e2e:
+        e2e = QueueE2EParams(**{f.name: getattr(args, f.name) for f in fields(QueueE2EParams)})
+        res = run_queue_e2e_bench(e2e)
+        # The default output is the run benchmarks/README.md quotes: its JSON goes beside the other results.
+        results = Path("benchmarks/results")
+        if e2e.out == QueueE2EParams.out and results.is_dir():
+            (results / "queue-e2e.json").write_text(json.dumps(res, indent=1) + "\n")
+        _print(args, res, lambda r: print("\n".join(summary_lines(r))))
+        return 0
+    old = {f.name for f in fields(QueueBenchParams)}
+    ignored = [f"--{f.name.replace('_', '-')}" for f in fields(QueueE2EParams)
+               if f.name not in old and getattr(args, f.name) != f.default]
+    if ignored:
+        print(f"warning: ignored without --e2e: {', '.join(ignored)}", file=sys.stderr)
     params = QueueBenchParams(**{f.name: getattr(args, f.name) for f in fields(QueueBenchParams)})
     res = run_queue_bench(params)
 
@@ -377,7 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = bench.add_subparsers(dest="bench_cmd", required=True)
     p = bsub.add_parser("queue", help="SampleQueue put+read+ack vs raw redis-py streams")
     p.add_argument("--json", action="store_true")
-    _add_dataclass_args(p, "pipeline.benchmarks.queue", "QueueBenchParams")
+    p.add_argument("--e2e", action="store_true", help="a producer and a trainer-side consumer process at once, "
+                   "compact and plain routing against raw redis-py (the --e2e-only flags are ignored without it)")
+    _add_dataclass_args(p, "pipeline.benchmarks.queue_e2e", "QueueE2EParams")
     p.set_defaults(func=cmd_bench_queue)
     p = bsub.add_parser("rollout", help="cost of routing capture and encoding as a fraction of rollout time")
     p.add_argument("--json", action="store_true")
