@@ -8,8 +8,10 @@ import argparse
 from pipeline.cli import build_parser
 
 SURFACE = {
-    "bench queue": ([], ["--appendfsync", "--batch-entries", "--group-size", "--json", "--layers", "--num-experts",
-                         "--prompt-tokens", "--response-tokens", "--rounds", "--samples", "--topk"]),
+    "bench queue": ([], ["--appendfsync", "--batch-entries", "--e2e", "--engine-layers", "--engine-prompt-tokens",
+                         "--engine-response-tokens", "--engine-samples", "--group-size", "--json", "--layers",
+                         "--num-experts", "--out", "--prompt-tokens", "--redis-url", "--response-tokens", "--rounds",
+                         "--routing", "--samples", "--topk"]),
     "bench pipeline": ([], ["--json", "--max-lag", "--out", "--recipe", "--skip-steps", "--steps"]),
     "bench rollout": ([], ["--capture-reference", "--concurrency", "--group-size", "--groups", "--json", "--layers",
                            "--max-new-tokens", "--no-capture-reference", "--num-experts", "--rounds", "--temperature",
