@@ -122,13 +122,23 @@ def test_compact_routing_is_at_most_half_the_plain_bytes_for_engine_shaped_routi
     assert compact / plain <= 0.5
 
 
-def test_incompressible_routing_is_stored_raw_and_still_exact() -> None:
+def test_zstd_runs_only_where_it_pays() -> None:
+    # Uniform ids over 256 experts carry 8 bits each: the probe sees zstd cannot pay and the rows go as they are.
     rng = np.random.default_rng(2)
-    group = _group(rng, size=1, prompt_len=3, response=3, num_experts=256, topk=8, layers=1)
-    env = msgpack.unpackb(encode_samples(group), raw=False)
-    assert env["routing"]["codec"] in {"none", "zstd"}
-    assert len(env["routing"]["data"]) <= env["routing"]["size"]
-    assert np.array_equal(decode_samples(encode_samples(group))[0].routed_experts, group[0].routed_experts)
+    uniform = _group(rng, size=3, prompt_len=50, response=4000, num_experts=256, topk=8, layers=2)
+    env = msgpack.unpackb(encode_samples(uniform), raw=False)
+    assert env["routing"]["codec"] == "none" and env["routing"]["shared"] == 50
+    assert [len(b) for b in env["routing"]["data"]] == [50 * 16] + [3999 * 16] * 3
+    env["routing"]["data"][2] = env["routing"]["data"][2][:-16]
+    with pytest.raises(SampleDecodeError, match="row buffer 2 holds"):
+        decode_samples(msgpack.packb(env, use_bin_type=True))
+    # Eight experts need 3 bits of each byte: zstd pays, and it runs.
+    skewed = _group(rng, size=3, prompt_len=50, response=12000, num_experts=8, topk=2, layers=2)
+    env = msgpack.unpackb(encode_samples(skewed), raw=False)
+    assert env["routing"]["codec"] == "zstd" and len(env["routing"]["data"]) < 0.5 * plain_routing_bytes(skewed)
+    for group in (uniform, skewed):
+        back = decode_samples(encode_samples(group))
+        assert all(np.array_equal(a.routed_experts, b.routed_experts) for a, b in zip(group, back, strict=True))
 
 
 def test_a_group_mixing_routing_layouts_falls_back_to_plain_arrays() -> None:

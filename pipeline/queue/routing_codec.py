@@ -11,6 +11,10 @@ Routing is almost all of an MoE sample's bytes, and it is redundant in three way
 - **Ids are few and skewed.** zstd entropy-codes the result; 128 experts cost at most 7 bits an id, and less when
   expert load is uneven.
 
+zstd runs only where it pays. At a few hundred MB/s a core it costs more than the bytes it saves unless it at least
+cuts them to ``ZSTD_PAYS_BELOW``; near-uniform ids (7 of 8 bits) do not get there. A probe of one slice decides, and
+a block that skips zstd stores its rows as they are, one buffer per sample, so that it costs no copy at all.
+
 The order of ids within a row is kept as the engine returned it: megatron-core's router replay softmaxes the
 replayed top-k in that order, and for top-k > 2 a reordered row gives log-probs that differ in the last bit
 (measured in docs/queue.md, "Routing on the wire").
@@ -34,6 +38,11 @@ from pipeline.queue.sample import ARRAY_DTYPES, Sample
 ZSTD_LEVEL = 1
 _ZSTD = pa.Codec("zstd", compression_level=ZSTD_LEVEL)
 _ROUTING_DTYPES = {d.str: d for d in ARRAY_DTYPES["routed_experts"]}
+#: Compress only when a probe slice shrinks below this fraction; above it, encoding and decoding cost more than moving
+#: the bytes (measured with `sluice bench queue --e2e`, benchmarks/README.md).
+ZSTD_PAYS_BELOW = 0.6
+#: Bytes of the probe slice; blocks smaller than twice this are compressed outright.
+PROBE_BYTES = 64 << 10
 _BLOCK_KEYS = frozenset({"codec", "dtype", "layers", "topk", "rows", "shared", "sharing", "size", "data"})
 
 
@@ -63,6 +72,10 @@ def _row_view(rows: np.ndarray) -> np.ndarray:
     """``[N, L, K]`` ids as ``[N, L]`` items of K ids each, so that gathers and transposes move whole rows of a
     layer instead of single bytes."""
     return np.ascontiguousarray(rows).view(_item_dtype(rows.dtype, rows.shape[2])).reshape(rows.shape[:2])
+
+
+def _bytes_view(rows: np.ndarray) -> memoryview:
+    return memoryview(np.ascontiguousarray(rows).reshape(-1).view(np.uint8))
 
 
 def _shared_prefix(routed: Sequence[Sample]) -> tuple[int, list[bool]]:
@@ -106,8 +119,20 @@ def can_compact(samples: Sequence[Sample]) -> bool:
     return len(layouts) == 1
 
 
+def _worth_compressing(parts: Sequence[np.ndarray], size: int) -> bool:
+    if size < 2 * PROBE_BYTES:
+        return True
+    largest = max(parts, key=lambda p: p.nbytes)
+    rows = max(1, PROBE_BYTES // max(1, largest[0].nbytes))
+    probe = np.ascontiguousarray(largest[:rows])
+    return _ZSTD.compress(pa.py_buffer(probe)).size < ZSTD_PAYS_BELOW * probe.nbytes
+
+
 def encode_routing(samples: Sequence[Sample]) -> dict[str, Any]:
-    """The routing block of one entry; ``can_compact(samples)`` must hold."""
+    """The routing block of one entry; ``can_compact(samples)`` must hold.
+
+    Its ``data`` may view per-thread scratch memory, valid until this thread's next call: pack it at once.
+    """
     routed = [s for s in samples if s.routed_experts is not None]
     if not routed or not can_compact(samples):
         raise SampleError("encode_routing needs samples whose routing shares one [*, layers, topk] layout and dtype")
@@ -119,6 +144,19 @@ def encode_routing(samples: Sequence[Sample]) -> dict[str, Any]:
     parts += [s.routed_experts[shared if takes else 0:] for s, takes in zip(routed, sharing)]  # type: ignore[index]
     stored = sum(p.shape[0] for p in parts)
     size = stored * layers * topk * first.dtype.itemsize
+    it = iter(sharing)
+    block = {
+        "dtype": first.dtype.str,
+        "layers": int(layers),
+        "topk": int(topk),
+        "rows": [-1 if s.routed_experts is None else int(s.routed_experts.shape[0]) for s in samples],
+        "shared": shared,
+        "sharing": [s.routed_experts is not None and next(it) for s in samples],
+        "size": size,
+    }
+    if not _worth_compressing(parts, size):
+        # msgpack copies each view into the payload: the rows reach it without an intermediate copy.
+        return {**block, "codec": "none", "data": [_bytes_view(p) for p in parts]}
     item = _item_dtype(first.dtype, topk)
     stacked = _SCRATCH.take("stacked", size).view(item).reshape(stored, layers)
     np.concatenate([_row_view(p) for p in parts], out=stacked)
@@ -128,20 +166,10 @@ def encode_routing(samples: Sequence[Sample]) -> dict[str, Any]:
     laid_out = _SCRATCH.take("laid_out", size).view(item).reshape(layers, stored)
     np.take(stacked.T, order, axis=1, out=laid_out)
     packed = _ZSTD.compress(pa.py_buffer(laid_out))
-    # A memoryview of Arrow's buffer packs as msgpack bin without a copy; the raw fallback must leave the scratch.
-    codec, data = ("zstd", memoryview(packed)) if packed.size < size else ("none", laid_out.tobytes())
-    it = iter(sharing)
-    return {
-        "codec": codec,
-        "dtype": first.dtype.str,
-        "layers": int(layers),
-        "topk": int(topk),
-        "rows": [-1 if s.routed_experts is None else int(s.routed_experts.shape[0]) for s in samples],
-        "shared": shared,
-        "sharing": [s.routed_experts is not None and next(it) for s in samples],
-        "size": size,
-        "data": data,
-    }
+    if packed.size >= size:  # the probe was wrong; keep the plain rows
+        return {**block, "codec": "none", "data": [_bytes_view(p) for p in parts]}
+    # A memoryview of Arrow's buffer packs as msgpack bin without a copy.
+    return {**block, "codec": "zstd", "data": memoryview(packed)}
 
 
 def _check_block(block: Any, count: int) -> tuple[np.dtype[Any], int, int, list[int], int, list[bool]]:
@@ -168,8 +196,11 @@ def _check_block(block: Any, count: int) -> tuple[np.dtype[Any], int, int, list[
     for i, (r, takes) in enumerate(zip(rows, sharing)):
         if takes and (r < shared or r == -1):
             raise SampleDecodeError(f"routing: sample {i} shares {shared} rows but has {r}")
-    if block["codec"] not in ("zstd", "none") or not isinstance(block["data"], bytes):
-        raise SampleDecodeError(f"routing: codec {block['codec']!r} unknown or data not bytes")
+    codec, data = block["codec"], block["data"]
+    if not ((codec == "zstd" and isinstance(data, bytes))
+            or (codec == "none" and isinstance(data, list) and all(isinstance(d, bytes) for d in data))):
+        raise SampleDecodeError(f"routing: codec {codec!r} unknown, or its data is not bytes (zstd) or a list of "
+                                "bytes (none)")
     return dtype, layers, topk, rows, shared, sharing
 
 
@@ -191,15 +222,6 @@ def decode_routing(block: Any, samples: Sequence[Sample]) -> list[np.ndarray | N
     size = stored * layers * topk * dtype.itemsize
     if block["size"] != size:
         raise SampleDecodeError(f"routing: declares {block['size']} bytes but its rows need {size}")
-    if block["codec"] == "zstd":
-        try:
-            raw = memoryview(_ZSTD.decompress(block["data"], decompressed_size=size))
-        except (OSError, ValueError, pa.ArrowException) as e:
-            raise SampleDecodeError(f"routing: corrupt zstd data ({e})") from None
-    else:
-        raw = block["data"]
-    if len(raw) != size:
-        raise SampleDecodeError(f"routing: {len(raw)} bytes where {size} were declared; truncated?")
     tokens = []
     for i in routed:
         s = samples[i]
@@ -207,6 +229,14 @@ def decode_routing(block: Any, samples: Sequence[Sample]) -> list[np.ndarray | N
             raise SampleDecodeError(
                 f"routing: sample {i} has {rows[i]} rows but P+R-1 = {s.num_prompt_tokens + s.num_response_tokens - 1}")
         tokens.append((s.prompt_ids, s.response_ids, rows[i]))
+    if block["codec"] == "none":
+        return _decode_rows(block["data"], samples, routed, own, dtype, layers, topk, shared, sharing)
+    try:
+        raw = memoryview(_ZSTD.decompress(block["data"], decompressed_size=size))
+    except (OSError, ValueError, pa.ArrowException) as e:
+        raise SampleDecodeError(f"routing: corrupt zstd data ({e})") from None
+    if len(raw) != size:
+        raise SampleDecodeError(f"routing: {len(raw)} bytes where {size} were declared; truncated?")
     keys = _token_keys(tokens, shared, [sharing[i] for i in routed])
     if keys.size != stored:
         raise SampleDecodeError(f"routing: {stored} stored rows but the samples' tokens name {keys.size}")
@@ -237,3 +267,27 @@ def plain_routing_bytes(samples: Sequence[Sample]) -> int:
     """Bytes the group's routing takes as plain arrays (the reference compact routing is measured against)."""
     return sum(math.prod(s.routed_experts.shape) * s.routed_experts.dtype.itemsize
                for s in samples if s.routed_experts is not None)
+
+
+def _decode_rows(data: list[bytes], samples: Sequence[Sample], routed: list[int], own: list[int], dtype: np.dtype[Any],
+                 layers: int, topk: int, shared: int, sharing: list[bool]) -> list[np.ndarray | None]:
+    """A block stored without zstd: the shared rows (if any) and each routed sample's own rows, as they were."""
+    counts = ([shared] if shared else []) + own
+    if len(data) != len(counts):
+        raise SampleDecodeError(f"routing: {len(data)} row buffers where {len(counts)} were expected")
+    row_bytes = layers * topk * dtype.itemsize
+    arrays = []
+    for i, (buf, n) in enumerate(zip(data, counts)):
+        if len(buf) != n * row_bytes:
+            raise SampleDecodeError(f"routing: row buffer {i} holds {len(buf)} bytes where {n * row_bytes} are due")
+        arrays.append(np.frombuffer(buf, dtype=dtype).reshape(n, layers, topk))
+    head = arrays.pop(0) if shared else None
+    out: list[np.ndarray | None] = [None] * len(samples)
+    for i, rows in zip(routed, arrays):
+        if sharing[i]:
+            whole = np.concatenate([head, rows])  # type: ignore[list-item]
+            whole.flags.writeable = False
+            out[i] = whole
+        else:
+            out[i] = rows
+    return out
