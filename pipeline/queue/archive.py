@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.errors import QueueError
-from pipeline.queue.arrow import SAMPLE_SCHEMA, samples_to_table, table_to_samples
+from pipeline.queue.arrow import SAMPLE_SCHEMA, parquet_write_options, samples_to_table, table_to_samples
 from pipeline.queue.base import QueueEntry
 from pipeline.queue.redis_streams import SampleQueue
 from pipeline.queue.sample import Sample
@@ -104,7 +104,7 @@ class ArchiveWriter:
         final = self.folder / info.name
         tmp = self.folder / f".{info.name}.tmp"
         with open(tmp, "wb") as f:
-            pq.write_table(table, f, compression=self.compression)
+            pq.write_table(table, f, **parquet_write_options(table, self.compression))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
@@ -146,9 +146,13 @@ class ArchiveReader:
         self.segments = load_index(self.folder)
 
     def table(self) -> pa.Table:
-        """All segments as one Arrow table (SAMPLE_SCHEMA)."""
+        """All segments as one Arrow table (SAMPLE_SCHEMA; uint16 routing ids if any segment has them).
+
+        Segments of schema 1 and 2 in one folder (an archiver that was upgraded mid-run) concatenate with the other
+        schema's routing columns null; read such an archive with ``entries`` instead.
+        """
         tables = [pq.read_table(self.folder / s.name) for s in self.segments]
-        return pa.concat_tables(tables) if tables else SAMPLE_SCHEMA.empty_table()
+        return pa.concat_tables(tables, promote_options="permissive") if tables else SAMPLE_SCHEMA.empty_table()
 
     def entries(
         self,
