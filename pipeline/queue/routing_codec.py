@@ -111,6 +111,14 @@ def _token_keys(tokens: Sequence[_Tokens], shared: int, sharing: Sequence[bool])
     return np.concatenate(keys) if keys else np.zeros(0, np.int32)
 
 
+def _token_order(keys: np.ndarray) -> np.ndarray:
+    """The stable order of rows by token id. A stable order is unique, so the encoder and the decoder agree whatever
+    algorithm sorts; 16-bit keys take numpy's radix sort, 3-4x faster than the merge sort of 32-bit ones."""
+    if keys.size and 0 <= int(keys.min()) and int(keys.max()) < 1 << 16:
+        keys = keys.astype(np.uint16)
+    return np.argsort(keys, kind="stable")
+
+
 def can_compact(samples: Sequence[Sample]) -> bool:
     """Whether the group's routing fits one block: some sample has routing, and all that do agree on layers, top-k
     and dtype (a group mixing layouts is written per sample instead)."""
@@ -161,7 +169,7 @@ def encode_routing(samples: Sequence[Sample]) -> dict[str, Any]:
     stacked = _SCRATCH.take("stacked", size).view(item).reshape(stored, layers)
     np.concatenate([_row_view(p) for p in parts], out=stacked)
     tokens = [(s.prompt_ids, s.response_ids, s.routed_experts.shape[0]) for s in routed]  # type: ignore[union-attr]
-    order = np.argsort(_token_keys(tokens, shared, sharing), kind="stable")
+    order = _token_order(_token_keys(tokens, shared, sharing))
     # Gather in token order and go layer-major in one pass: [N, L] row items -> [L, N].
     laid_out = _SCRATCH.take("laid_out", size).view(item).reshape(layers, stored)
     np.take(stacked.T, order, axis=1, out=laid_out)
@@ -240,7 +248,7 @@ def decode_routing(block: Any, samples: Sequence[Sample]) -> list[np.ndarray | N
     keys = _token_keys(tokens, shared, [sharing[i] for i in routed])
     if keys.size != stored:
         raise SampleDecodeError(f"routing: {stored} stored rows but the samples' tokens name {keys.size}")
-    order = np.argsort(keys, kind="stable")
+    order = _token_order(keys)
     item = _item_dtype(dtype, topk)
     laid_out = np.frombuffer(raw, dtype=item).reshape(layers, stored)
     # Stored row j sits at column rank[j] of the layer-major layout; every output row names its stored row.
