@@ -151,7 +151,11 @@ class Trainer:
         self.step = 0
         self.version = 0
         self._uncommitted: list[str] = []
+        self._committed_step = 0
         self._rank0_batch: Batch | None = None
+        # A stop asked of this rank (a signal, ``request_stop``) versus the stop all ranks agreed on: only the
+        # agreed one may steer a collective, or the ranks would part ways (see ``_agree_to_stop``).
+        self._stop_requested = False
         self._stop = False
         self._push_thread: threading.Thread | None = None
         self._push_error: BaseException | None = None
@@ -173,6 +177,7 @@ class Trainer:
             t1 = time.perf_counter()
             metrics = self.train_step(batch)
             self.step += 1
+            self._stop = self._agree_to_stop()
             push_wait = self.finish_push()
             t2 = time.perf_counter()
             self.push_weights()
@@ -189,7 +194,9 @@ class Trainer:
             if self._stop:
                 break
         self.finish_push()
-        if self._uncommitted:
+        # Every rank knows the step, so all of them take this commit or none does (rank 0's uncommitted entries
+        # alone would lead it into the collective save without its peers).
+        if self.step > self._committed_step:
             self.commit()
 
     # ---------------------------------------------------------------------------------------------------- steps
@@ -200,7 +207,7 @@ class Trainer:
             from pipeline.consumers.megatron.checkpoint import load_checkpoint
 
             meta = load_checkpoint(latest, self.model, self.optimizer)
-            self.step = int(meta["step"])
+            self.step = self._committed_step = int(meta["step"])
             if "train_step" in meta:
                 self.step_fn.load_state_dict(meta["train_step"])
         if self.rank == 0:
@@ -223,8 +230,10 @@ class Trainer:
         if self.rank == 0:
             assert self.source is not None and self.clock is not None
             batch = self.source.next_batch(self.s.batch_groups, self.step, self._drain_version,
-                                           should_stop=lambda: self._stop)
-            if len(batch.groups) < max(self.dp_size, 1) or (self._stop and len(batch.groups) < self.s.batch_groups):
+                                           should_stop=lambda: self._stop_requested)
+            # Rank 0's own request decides here, and the broadcast below tells every rank, so they stop together.
+            if len(batch.groups) < max(self.dp_size, 1) or (self._stop_requested
+                                                             and len(batch.groups) < self.s.batch_groups):
                 # A partial batch is not trained; its entries stay pending and are redone after a restart.
                 batch = None
         self._rank0_batch = batch
@@ -347,6 +356,7 @@ class Trainer:
         state = self.step_fn.state_dict()
         seconds = save_checkpoint(directory, self.model, self.optimizer,
                                   meta={"step": self.step, "policy_version": self.version, "train_step": state})
+        self._committed_step = self.step
         if self.rank == 0:
             assert self.ledger is not None and self.source is not None and self.clock is not None
             self.ledger.mark_committed(self.step)
@@ -367,14 +377,38 @@ class Trainer:
             return obj
         return broadcast_msgpack(obj if self.rank == 0 else None, self._bytes_group)
 
+    def request_stop(self) -> None:
+        """Ask this rank to stop at the next step boundary, after a commit; safe from a signal handler or a thread.
+
+        Asking rank 0 alone is enough (its drain stops, and the step boundary's vote tells the others); the launcher
+        asks every rank.
+        """
+        self._stop_requested = True
+
+    def _agree_to_stop(self) -> bool:
+        """Whether any rank was asked to stop, answered identically on every rank at this step boundary.
+
+        A rank that acted on its own request would enter the collective commit alone while its peers wait in the next
+        drain's broadcast, and both would sit there until SIGKILL (the 67 s Ctrl-C of issue 8). So the ranks vote:
+        an all-reduce (MAX) of one integer over the gloo group they already share. Every rank gets the same answer at
+        the same step, whichever rank got the signal and whenever it landed, and it costs a round trip of a few bytes
+        per step. A stop key in Redis would cost every rank a Redis connection, and two ranks reading it a moment
+        apart can still read different values, so they would need this vote anyway.
+        """
+        if not self._distributed:
+            return self._stop_requested
+        flag = torch.tensor([int(self._stop_requested)], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._bytes_group)
+        return bool(flag.item())
+
     def _install_signal_handlers(self) -> None:
-        def request_stop(signum: int, _frame: object) -> None:
+        def on_signal(signum: int, _frame: object) -> None:
             log.warning("signal %d: finishing the current step, committing, then exiting", signum)
-            self._stop = True
+            self.request_stop()
 
         try:
-            signal.signal(signal.SIGTERM, request_stop)
-            signal.signal(signal.SIGINT, request_stop)
+            signal.signal(signal.SIGTERM, on_signal)
+            signal.signal(signal.SIGINT, on_signal)
         except ValueError:
             pass  # not the main thread (tests); no handler, the caller stops us
 

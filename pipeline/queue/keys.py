@@ -93,6 +93,11 @@ class RunKeys:
         """Expiring key that says producer ``name`` is alive; once it is gone, anyone may reclaim its groups."""
         return f"{self.prefix}:producer:{name}:lease"
 
+    @property
+    def launcher(self) -> str:
+        """The live launcher's lock: JSON host, PID, start time and token, with a TTL it renews (docs/launcher.md)."""
+        return f"{self.prefix}:launcher"
+
     def extra(self, name: str) -> str:
         """A run-scoped key for other stages (prompt cursors, ledgers), inside the same hash slot."""
         return f"{self.prefix}:{name}"
