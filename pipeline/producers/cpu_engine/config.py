@@ -16,8 +16,11 @@ class CpuEngineConfig(BaseModel):
     """Folder with an HF causal LM (config.json + safetensors) and its tokenizer."""
     host: str = "127.0.0.1"
     """Address the HTTP server binds to."""
-    port: int = Field(default=30000, ge=1, le=65535)
-    """TCP port of the HTTP server."""
+    port: int = Field(default=30000, ge=0, le=65535)
+    """TCP port of the HTTP server; 0 lets the OS pick a free one (see ``port_file``)."""
+    port_file: str | None = None
+    """Once the server's socket is bound, write its port here (atomically), so that whoever started the engine
+    with port 0 learns where it listens without picking a port for it."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the weights and activations; logits are always turned into float32 before sampling."""
     max_batch: int = Field(default=32, ge=1, le=4096)

@@ -29,9 +29,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import socket
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -604,14 +606,35 @@ def run_server(cfg: CpuEngineConfig) -> None:
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = Engine(cfg)
     info = engine.model_info()
+    sock = _bind(cfg.host, cfg.port)
+    port = sock.getsockname()[1]
+    if cfg.port_file:
+        # Bound before the file appears, so a reader never learns a port nobody holds yet; the rename makes the
+        # file appear whole.
+        partial = Path(f"{cfg.port_file}.tmp")
+        partial.write_text(str(port))
+        partial.rename(cfg.port_file)
     log.info(
         "CPU engine serving %s on http://%s:%d (dtype %s, %d MoE layers, max_batch %d)",
         cfg.model_path,
         cfg.host,
-        cfg.port,
+        port,
         cfg.dtype,
         info["num_moe_layers"],
         cfg.max_batch,
     )
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its sequences.
-    web.run_app(build_app(engine), host=cfg.host, port=cfg.port, print=None, access_log=None, handler_cancellation=True)
+    web.run_app(build_app(engine), sock=sock, print=None, access_log=None, handler_cancellation=True)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise EngineError(f"cannot listen on {host}:{port}: {e}; pick another --port, or 0 for a free one") from None
+    sock.listen(128)
+    return sock
