@@ -15,7 +15,7 @@ port is picked by one process and bound by another.
 
 from __future__ import annotations
 
-import logging
+import dataclasses
 import os
 import select
 import shutil
@@ -33,7 +33,6 @@ from typing import Any
 from pipeline.errors import ConfigError, SluiceError
 from pipeline.host_reaper import HOST_DIED
 
-log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ProcessSpec:
@@ -52,9 +51,7 @@ class ProcessSpec:
     """Where the process writes the port it bound (for ``--port 0``); ``ProcessHost.start`` waits for it."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "cmd": list(self.cmd), "log_path": self.log_path, "env": dict(self.env),
-                "num_cpus": self.num_cpus, "num_gpus": self.num_gpus, "resources": dict(self.resources),
-                "port_file": self.port_file}  # fmt: skip
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ProcessSpec:
@@ -89,7 +86,9 @@ class ProcessHost:
         cmd = [sys.executable, "-m", "pipeline.host_reaper", str(os.getpid()), str(self.state), "--", *self.spec.cmd]
         with open(log_path, "ab") as out:
             launcher = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        launcher.wait()
+        if launcher.wait() != 0:  # the reaper never forked: bad arguments, or it could not start at all
+            raise SluiceError(f"{self.spec.name}: the reaper failed to start (exit {launcher.returncode}); see "
+                              f"{self.spec.log_path}")
         self.reaper_pid = int(self._wait_for(self.state / "reaper.pid", timeout_s, "start"))
         self._pidfd = os.pidfd_open(self.reaper_pid)
         info: dict[str, Any] = {"pid": self.reaper_pid, "node_ip": node_ip(), "node_id": node_id(),
@@ -178,8 +177,7 @@ def host_actor_class() -> Any:
     its own backoff and budget), and a restart must start the process, not just the actor."""
     import ray
 
-    # One thread, created with the actor and living as long as it does: the reaper's PR_SET_PDEATHSIG follows the
-    # thread that forked it, so it must not be forked from a short-lived pool thread.
+    # One call at a time: a stop and a start of the same host never interleave.
     return ray.remote(max_restarts=0, max_concurrency=1)(ProcessHost)
 
 

@@ -83,6 +83,14 @@ def test_a_process_that_exits_before_binding_its_port_fails_start_with_its_log(t
         host.start(timeout_s=30)
 
 
+def test_a_reaper_that_cannot_start_fails_at_once_naming_the_log(tmp_path: Path) -> None:
+    host = ProcessHost(ProcessSpec("empty", [], str(tmp_path / "empty.log")).to_dict())  # no command to run
+    t0 = time.monotonic()
+    with pytest.raises(SluiceError, match="empty: the reaper failed to start \\(exit 2\\).*empty.log"):
+        host.start(timeout_s=120)
+    assert time.monotonic() - t0 < 30  # not the whole start timeout
+
+
 def test_stop_takes_what_the_process_started(tmp_path: Path) -> None:
     log = tmp_path / "parent.log"
     host = ProcessHost(ProcessSpec("parent", [sys.executable, "-c", PARENT], str(log)).to_dict())

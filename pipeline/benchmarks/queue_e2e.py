@@ -45,6 +45,7 @@ from pipeline.queue.codec import SCHEMA_VERSION, decode_samples, encode_samples
 from pipeline.queue.connection import connect
 from pipeline.queue.redis_server import EmbeddedRedis
 from pipeline.queue.redis_streams import SampleQueue
+from pipeline.queue.routing_codec import plain_routing_bytes
 from pipeline.queue.sample import Sample, compact_routing
 
 VARIANTS = ("sluice_compact", "sluice_plain", "raw_plain", "raw_compact")
@@ -425,7 +426,7 @@ def _bytes(groups: list[list[Sample]]) -> dict[str, Any]:
         total = sum(len(encode_samples(g, routing=codec)) for g in groups)  # type: ignore[arg-type]
         without = sum(len(encode_samples(g, routing=codec)) for g in bare)  # type: ignore[arg-type]
         payload[codec], routing[codec] = total / n, (total - without) / n
-    uint8 = sum(s.routed_experts.nbytes for g in groups for s in g if s.routed_experts is not None) / n
+    uint8 = sum(plain_routing_bytes(g) for g in groups) / n
     return {
         "payload_bytes_per_sample": payload,
         "routing_bytes_per_sample": {**routing, "uint8_array": uint8},
