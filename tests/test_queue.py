@@ -227,3 +227,28 @@ def test_auth_from_url_and_secrets_stay_out_of_messages(private_redis: EmbeddedR
         connect("http://user:s3cret-pw@host/0")
     assert "s3cret-pw" not in str(e.value)
     assert redact_url("rediss://:pw@h:6380/1") == "rediss://:***@h:6380/1"
+
+
+def test_a_put_with_room_checks_and_reserves_in_one_call(redis_url: str, run_name: str) -> None:
+    sent: list[str] = []
+
+    class Counting(redis.Redis):
+        def execute_command(self, *args, **options):  # type: ignore[no-untyped-def]
+            sent.append(str(args[0]).upper())
+            return super().execute_command(*args, **options)
+
+    client = Counting.from_url(redis_url, protocol=2)
+    q = SampleQueue(client, run_name, capacity=2)
+    q.create_group("trainer")
+    rng = np.random.default_rng(9)
+    q.put(make_group(rng, 1))
+    sent.clear()
+    q.put(make_group(rng, 1))  # room: one script call, then the XADD pipeline (not counted here)
+    assert sent == ["EVALSHA"]
+    sent.clear()
+    with pytest.raises(QueueFullError):  # full: the script reserves nothing, and the exact lag decides
+        q.put(make_group(rng, 1), timeout_s=0.3)
+    assert sent[0] == "EVALSHA" and "XLEN" in sent and "INCRBY" not in sent
+    assert q.stats().produced == 2 and q.redis.xlen(q.keys.samples) == 2
+    client.delete(*client.scan_iter(match=f"{q.keys.prefix}:*"))
+    client.close()
