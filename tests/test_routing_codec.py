@@ -218,3 +218,11 @@ def test_the_queue_writes_the_routing_codec_it_was_given(queue: SampleQueue) -> 
     got = queue.read("trainer", "c", count=10)
     for entry in got:
         assert [np.array_equal(a.routed_experts, b.routed_experts) for a, b in zip(entry.samples, group)] == [True] * 8
+
+
+def test_an_envelope_with_unknown_keys_or_a_schema_1_routing_block_is_refused() -> None:
+    env = msgpack.unpackb(encode_samples(_group(np.random.default_rng(10), size=2)), raw=False)
+    with pytest.raises(SampleDecodeError, match=r"unknown keys \['extra'\]"):
+        decode_samples(msgpack.packb({**env, "extra": 1}, use_bin_type=True))
+    with pytest.raises(SampleDecodeError, match="schema 1 envelope cannot carry a routing block"):
+        decode_samples(msgpack.packb({**env, "schema": 1}, use_bin_type=True))
