@@ -224,17 +224,19 @@ class Supervisor:
             child.start()
         return finished
 
-    def stop_all(self, first_timeout_s: float = TRAINER_STOP_S, last_timeout_s: float = CHILD_STOP_S) -> None:
+    def stop_all(self, first_timeout_s: float = TRAINER_STOP_S, last_timeout_s: float = CHILD_STOP_S) -> list[str]:
         """The orderly stop, in two waves; each SIGTERMs its children at once and waits for them together.
 
         First the producers (they stop admitting and hand their in-flight prompts back), the evaluator and the
         trainer ranks (they agree on a step boundary, push and commit), while the engines still serve that last
-        push; then the engines. One at a time would make the stop the sum of the children's exits.
+        push; then the engines. One at a time would make the stop the sum of the children's exits. Returns the
+        children that had to be SIGKILLed because they outlived their wave's timeout.
         """
-        self._terminate([c for c in self.children.values() if not c.stop_last], first_timeout_s)
-        self._terminate([c for c in self.children.values() if c.stop_last], last_timeout_s)
+        killed = self._terminate([c for c in self.children.values() if not c.stop_last], first_timeout_s)
+        killed += self._terminate([c for c in self.children.values() if c.stop_last], last_timeout_s)
         for child in self.children.values():
             child.reap_group()
+        return killed
 
     def kill_all(self) -> None:
         """SIGKILL every child's process group at once: the forced stop. Safe to call from a signal handler."""
@@ -246,11 +248,12 @@ class Supervisor:
                     pass  # gone already
 
     @staticmethod
-    def _terminate(children: list[Child], timeout_s: float) -> None:
+    def _terminate(children: list[Child], timeout_s: float) -> list[str]:
         live = [c for c in children if c.proc is not None and c.proc.poll() is None]
         for child in live:
             child.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
         deadline = time.monotonic() + timeout_s
+        killed = []
         for child in live:
             try:
                 child.proc.wait(max(deadline - time.monotonic(), 0.0))  # type: ignore[union-attr]
@@ -258,6 +261,8 @@ class Supervisor:
                 log.warning("%s did not stop within %.0fs of SIGTERM; killing it", child.name, timeout_s)
                 child.proc.kill()  # type: ignore[union-attr]
                 child.proc.wait()  # type: ignore[union-attr]
+                killed.append(child.name)
+        return killed
 
 
 def _child_env(threads: int = 1, **extra: str) -> dict[str, str]:
@@ -337,7 +342,7 @@ def run(cfg: SluiceConfig) -> int:
             return 128 + stop.signum
         finally:
             stop.begin_stop()  # a signal from here on forces the stop
-            sup.stop_all()
+            stop.killed = sup.stop_all()
             archiver_stop.set()
             if archiver_thread is not None:
                 archiver_thread.join(timeout=5 if stop.forced else 60)
@@ -404,7 +409,12 @@ def _stopped_summary(run_dir: Path, stop: StopRequest) -> str:
 
     latest = latest_checkpoint(run_dir / "checkpoints")
     committed = "no checkpoint yet" if latest is None else f"last checkpoint {latest.name}"
-    how = "forced" if stop.forced else "stopped in order"
+    if stop.forced:
+        how = "forced"
+    elif stop.killed:
+        how = f"stopped; {', '.join(stop.killed)} outlived the stop's timeout and were SIGKILLed"
+    else:
+        how = "stopped in order"
     return (f"{how} after {signal.Signals(stop.signum or signal.SIGTERM).name} ({committed}); run the same command "
             "again to resume")
 
@@ -422,6 +432,7 @@ class StopRequest:
         self.sup = sup
         self.signum: int | None = None
         self.forced = False
+        self.killed: list[str] = []  # children the orderly stop had to SIGKILL after their timeout
         self._stopping = False
         self._event = threading.Event()
         self._previous: dict[int, Any] = {}

@@ -8,7 +8,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 python -m ruff check pipeline tests
 set +e
 # The full learning runs take minutes each; `bash scripts/test.sh -m learning` runs just those.
-python -m pytest -q -m "not learning" "$@"
+python -m pytest -q -m "not learning" --durations=25 "$@"
 rc=$?
 set -e
 if [ "$rc" = 5 ]; then

@@ -114,7 +114,7 @@ def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, ids: torch.T
     loss.backward()
     allreduce_gradients(model)
     opt.step()
-    return float(loss)
+    return float(loss.detach())
 
 
 def test_training_steps_reduce_loss_on_a_fixed_batch() -> None:
