@@ -167,6 +167,8 @@ def _load(args: argparse.Namespace) -> Any:
         overrides.append(f"run.run_dir={json.dumps(str(args.run_dir))}")
     if getattr(args, "steps", None):
         overrides.append(f"trainer.steps={int(args.steps)}")
+    if getattr(args, "ray_address", None):
+        overrides.append(f"ray.address={json.dumps(str(args.ray_address))}")
     return load_config(args.recipe, overrides)
 
 
@@ -323,6 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a recipe field (repeatable)")
     p.add_argument("--run-dir", help="run folder (overrides run.run_dir)")
     p.add_argument("--steps", type=int, help="trainer steps (overrides trainer.steps)")
+    p.add_argument("--ray-address", help="run on this Ray cluster (\"auto\", HOST:PORT; overrides ray.address); "
+                   "by default the run starts a private Ray instance on this machine")
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     p.set_defaults(func=cmd_run)
 

@@ -36,7 +36,11 @@ from pipeline.host_reaper import HOST_DIED
 
 @dataclass(frozen=True)
 class ProcessSpec:
-    """One process of a run: what to execute, where its log goes, and what Ray must reserve for it."""
+    """One process of a run: what to execute, where its log goes, and what Ray must reserve for it.
+
+    The host replaces ``{node_ip}`` in ``cmd`` with its node's address and sets ``SLUICE_NODE_IP`` to it: only once
+    Ray has placed the process is it known where others reach it.
+    """
 
     name: str
     cmd: list[str]
@@ -49,6 +53,9 @@ class ProcessSpec:
     """Custom Ray resources, e.g. ``{"trainer_node": 1}`` to pin the process to nodes that offer it."""
     port_file: str | None = None
     """Where the process writes the port it bound (for ``--port 0``); ``ProcessHost.start`` waits for it."""
+    cwd: str | None = None
+    """The process's working folder, where the node has it (recipes name paths relative to where they were
+    launched); else the host's own."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -82,16 +89,21 @@ class ProcessHost:
         # Beside the log: the run folder owns it, and a restart replaces it.
         self.state = log_path.parent / f".{self.spec.name}.state"
         shutil.rmtree(self.state, ignore_errors=True)
-        env = {**os.environ, **self.spec.env}
-        cmd = [sys.executable, "-m", "pipeline.host_reaper", str(os.getpid()), str(self.state), "--", *self.spec.cmd]
+        ip = node_ip()
+        # Where Ray placed this host is known only here: the process binds and announces this node's address.
+        env = {**os.environ, **self.spec.env, "SLUICE_NODE_IP": ip}
+        argv = [arg.replace("{node_ip}", ip) for arg in self.spec.cmd]
+        cmd = [sys.executable, "-m", "pipeline.host_reaper", str(os.getpid()), str(self.state), "--", *argv]
         with open(log_path, "ab") as out:
-            launcher = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            cwd = self.spec.cwd if self.spec.cwd and os.path.isdir(self.spec.cwd) else None
+            launcher = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        cwd=cwd)
         if launcher.wait() != 0:  # the reaper never forked: bad arguments, or it could not start at all
             raise SluiceError(f"{self.spec.name}: the reaper failed to start (exit {launcher.returncode}); see "
                               f"{self.spec.log_path}")
         self.reaper_pid = int(self._wait_for(self.state / "reaper.pid", timeout_s, "start"))
         self._pidfd = os.pidfd_open(self.reaper_pid)
-        info: dict[str, Any] = {"pid": self.reaper_pid, "node_ip": node_ip(), "node_id": node_id(),
+        info: dict[str, Any] = {"pid": self.reaper_pid, "node_ip": ip, "node_id": node_id(),
                                 "host": socket.gethostname()}
         if port_file is not None:
             info["port"] = int(self._wait_for(port_file, timeout_s, "bind its port"))
@@ -235,16 +247,24 @@ class HostedProcess:
     def start(self, timeout_s: float = 300.0) -> dict[str, Any]:
         import ray
 
+        return self.started(ray.get(self.launch(timeout_s), timeout=timeout_s + 60))
+
+    def launch(self, timeout_s: float = 300.0) -> Any:
+        """Create the host and ask it to start the process; returns the reference ``started`` takes the answer of,
+        so that many processes start at once. Creating the actor waits for a node with the resources; the timeout
+        bounds that wait and the start."""
         options: dict[str, Any] = {"num_cpus": self.spec.num_cpus, "num_gpus": self.spec.num_gpus,
                                    "resources": dict(self.spec.resources) or None}
         if self.scheduling is not None:
             options["scheduling_strategy"] = self.scheduling
         self.actor = host_actor_class().options(**options).remote(self.spec.to_dict())
-        # Creating the actor waits for a node with the resources; the timeout bounds that wait and the start.
-        self.info = ray.get(self.actor.start.remote(timeout_s), timeout=timeout_s + 60)
+        return self.actor.start.remote(timeout_s)
+
+    def started(self, info: dict[str, Any]) -> dict[str, Any]:
+        self.info = info
         self.exit_code = None
         self.up_since = time.monotonic()
-        return self.info
+        return info
 
     def state(self, timeout_s: float = 10.0) -> str:
         import ray
@@ -263,13 +283,17 @@ class HostedProcess:
 
     def restart(self, timeout_s: float = 300.0) -> dict[str, Any]:
         """Replace the host (wherever Ray now places it) after the budget's backoff; raises once it is spent."""
-        try:
-            delay = self.budget.next_delay(time.monotonic(), self.up_since)
-        except SluiceError as e:
-            raise SluiceError(f"{self.spec.name}: {e}; see {self.spec.log_path}") from None
+        delay = self.restart_delay()
         self.discard()
         time.sleep(delay)
         return self.start(timeout_s)
+
+    def restart_delay(self) -> float:
+        """Spend one restart of the budget: the backoff to wait before it; raises once the budget is spent."""
+        try:
+            return self.budget.next_delay(time.monotonic(), self.up_since)
+        except SluiceError as e:
+            raise SluiceError(f"{self.spec.name}: {e}; see {self.spec.log_path}") from None
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Orderly stop of the process, then of its host."""

@@ -135,7 +135,7 @@ class SyncConfig(_Strict):
     bucket_mb: int | None = Field(None, ge=1, le=65536)
     """Bucket size; None: 64 MB on CPU, 512 MB on GPU."""
     master_port: int = Field(0, ge=0, le=65535)
-    """Port of the trainer's weight-group store; 0 picks a free one."""
+    """Port of the trainer's weight-group store; 0: the trainer binds one the OS picks and tells the engines."""
     timeout_s: float = Field(300.0, gt=0)
     """Timeout of the weight group's collectives."""
 
@@ -147,6 +147,40 @@ class EvalConfig(EvaluatorConfig):
     """Run an evaluator beside the trainer."""
     heldout: HeldoutConfig = HeldoutConfig()
     """Held-out evaluation by generation on weight snapshots (off by default)."""
+
+
+class RoleResources(_Strict):
+    """What Ray reserves for one process of a role; custom resources pin it to the nodes that offer them."""
+
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    resources: dict[str, float] = {}
+    """Custom Ray resources, e.g. {rollout = 1} for a node started with --resources='{"rollout": 8}'."""
+
+
+class RayConfig(_Strict):
+    """Where the run's processes go. Every process is a Ray actor's child; Ray places, sluice supervises."""
+
+    address: str | None = None
+    """An existing cluster ("auto", "HOST:PORT"); None starts a private Ray instance on this machine for the run.
+    `sluice run --ray-address` sets it too."""
+    dashboard: bool = False
+    """Start the dashboard with the private instance (about 300 MB and a few seconds more); a cluster's own
+    dashboard is printed whenever it has one."""
+    trainer_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """Placement-group strategy of the trainer ranks (and of nothing else)."""
+    engine: RoleResources = RoleResources(num_cpus=1.0)
+    producer: RoleResources = RoleResources(num_cpus=0.5)
+    trainer: RoleResources = RoleResources(num_cpus=1.0)
+    """Per trainer rank, and for the warm start."""
+    evaluator: RoleResources = RoleResources(num_cpus=0.5)
+    archiver: RoleResources = RoleResources(num_cpus=0.25)
+    restart_limit: int = Field(5, ge=0)
+    """Restarts a process (or the trainer group) may take within restart_window_s before the run gives up."""
+    restart_window_s: float = Field(300.0, gt=0)
+    """The window of restart_limit; a process that stayed up this long starts with a fresh budget and backoff."""
+    startup_timeout_s: float = Field(180.0, gt=0)
+    """How long a process may take to be placed and started (a node with its resources may have to join first)."""
 
 
 class SluiceConfig(_Strict):
@@ -182,6 +216,8 @@ class SluiceConfig(_Strict):
     """Evaluation consumer."""
     warmstart: WarmStartConfig = WarmStartConfig()
     """Supervised warm start (SFT) before RL; `sluice sft` runs it alone."""
+    ray: RayConfig = RayConfig()
+    """Placement and supervision of the run's processes on Ray."""
 
     @model_validator(mode="before")
     @classmethod
@@ -219,6 +255,10 @@ class SluiceConfig(_Strict):
         elif self.trainer.batch_groups % dp:
             problems.append(f"trainer.batch_groups={self.trainer.batch_groups} must be a multiple of the "
                             f"data-parallel size {dp}, so every rank gets the same number of groups")
+        if self.ray.address is not None and self.queue.redis_url is None:
+            problems.append("ray.address puts the run on a Ray cluster, but the embedded Redis listens on this "
+                            "machine's loopback only; start a redis-server the nodes can reach and set "
+                            "queue.redis_url")
         problems += self._heldout_problems()
         if self.warmstart.enabled and self.engine.type == "sglang":
             problems.append("warmstart.enabled with engine.type = 'sglang': SGLang servers serve the weights they were "

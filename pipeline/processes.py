@@ -23,45 +23,26 @@ log = logging.getLogger("sluice")
 
 def producer_main(run_dir: Path, name: str) -> None:
     """One producer: prompts -> engines -> rewards -> queue, until SIGTERM."""
-    from transformers import AutoTokenizer
-
-    from pipeline.producers.producer import Pacing, Producer, read_num_experts
-    from pipeline.producers.prompts import setup_prompts
-    from pipeline.producers.rewards import resolve_reward
-    from pipeline.producers.sglang_client import NO_RETRY, EnginePool, SGLangClient
+    from pipeline.producers.producer import PacingConfig, ProducerSpec, serve_producer
     from pipeline.queue.rundir import open_run
 
     cfg = load_run_config(run_dir)
-    model_dir = model_folder(cfg)
-    urls = json.loads((run_dir / "engines.json").read_text())
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    handle = open_run(run_dir=run_dir, redis_url=cfg.queue.redis_url, capacity=cfg.queue.capacity,
-                      routing_codec=cfg.queue.routing_codec)
-
-    hf = json.loads((model_dir / "config.json").read_text())
-    num_experts = read_num_experts(model_dir)
-    # SGLang's /model_info does not report the MoE shape that routed_experts must be reshaped to; the model does.
-    moe_layers = hf["num_hidden_layers"] - len(hf.get("mlp_only_layers") or [])
-    shape = (moe_layers, int(hf["num_experts_per_tok"])) if num_experts else None
+    handle = open_run(run_dir=run_dir, redis_url=cfg.queue.redis_url)  # the embedded Redis's URL, when it is one
+    handle.close()
+    spec = ProducerSpec(
+        name=name, run=handle.run, redis_url=handle.url, engine_urls=json.loads((run_dir / "engines.json").read_text()),
+        model_dir=model_folder(cfg), producer=cfg.producer, prompts=cfg.prompts,
+        pacing=PacingConfig(max_lag=cfg.staleness.max_lag, batch_groups=cfg.trainer.batch_groups),
+        queue_capacity=cfg.queue.capacity, routing_codec=cfg.queue.routing_codec,
+    )
 
     async def main() -> None:
-        pool = EnginePool([SGLangClient(u, retry=NO_RETRY, routed_experts_shape=shape) for u in urls])
-        producer = Producer(
-            cfg.producer, name=name, queue=handle.queue, engine=pool, prompts=setup_prompts(cfg.prompts),
-            tokenize=lambda text: tokenizer.encode(text, add_special_tokens=False),
-            reward_fn=resolve_reward(cfg.producer.reward),
-            pacing=Pacing(max_lag=cfg.staleness.max_lag, batch_groups=cfg.trainer.batch_groups),
-            num_experts=num_experts,
-        )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        try:
-            stats = await producer.run(stop=stop)
-            log.info("producer %s stopped: %s", name, stats)
-        finally:
-            await pool.close()
+        stats = await serve_producer(spec, stop=stop)
+        log.info("producer %s stopped: %s", name, stats)
 
     asyncio.run(main())
 
@@ -73,6 +54,7 @@ def trainer_main(run_dir: Path) -> None:
     from pipeline.consumers.train_main import run_trainer
     from pipeline.producers.sglang_client import SGLangClient
 
+    bind_rank0_store()  # before the heavy imports, so that the other ranks can start joining at once
     cfg = load_run_config(run_dir)
     rank = int(os.environ.get("RANK", "0"))
     urls = json.loads((run_dir / "engines.json").read_text()) if rank == 0 else []
@@ -93,6 +75,37 @@ def evaluator_main(run_dir: Path) -> None:
     serve_evaluators(run_dir, cfg, stop)
 
 
+def bind_rank0_store() -> None:
+    """Rank 0 of a launcher-started world binds the world's store on a port of its own choosing and writes it to
+    ``SLUICE_MASTER_PORT_FILE``, which its host reports to the launcher; the other ranks get it as MASTER_PORT."""
+    port_file = os.environ.pop("SLUICE_MASTER_PORT_FILE", None)
+    if port_file is None or int(os.environ.get("RANK", "0")) != 0:
+        return
+    from pipeline.consumers.megatron.model import bind_world_store
+
+    port = bind_world_store(int(os.environ.get("WORLD_SIZE", "1")))
+    partial = Path(port_file + ".tmp")
+    partial.write_text(str(port))
+    partial.rename(port_file)
+
+
+def archiver_main(run_dir: Path) -> None:
+    """The archive consumer: the run's stream into Parquet segments, until SIGTERM."""
+    from pipeline.queue.archive import Archiver
+    from pipeline.queue.rundir import open_run
+
+    cfg = load_run_config(run_dir)
+    handle = open_run(run_dir=run_dir, redis_url=cfg.queue.redis_url)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        Archiver(handle.queue, run_dir / "archive", segment_samples=cfg.queue.archive.segment_samples,
+                 flush_interval_s=cfg.queue.archive.flush_interval_s).run(stop=stop)
+    finally:
+        handle.close()
+
+
 def sft_main(run_dir: Path) -> None:
     """The run's warm start (SFT of the base model into RUN_DIR/warmstart), then exit; the launcher waits for it."""
     from pipeline.consumers.sft import run_warmstart
@@ -101,7 +114,8 @@ def sft_main(run_dir: Path) -> None:
     run_warmstart(cfg, run_dir, base_model_folder(cfg))
 
 
-ROLES = {"producer": producer_main, "trainer": trainer_main, "evaluator": evaluator_main, "sft": sft_main}
+ROLES = {"producer": producer_main, "trainer": trainer_main, "evaluator": evaluator_main, "archiver": archiver_main,
+         "sft": sft_main}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from runprocs import alive, find_role, run_processes
 
 from pipeline.consumers.audit import audit_trainer
 from pipeline.queue.archive import ArchiveReader
@@ -21,17 +22,6 @@ from pipeline.queue.rundir import open_run
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).parent.parent
 STEPS = 12
-
-
-def _child(launcher: psutil.Process, role: str) -> psutil.Process | None:
-    for p in launcher.children(recursive=True):
-        try:
-            cmd = p.cmdline()
-        except psutil.Error:
-            continue
-        if "pipeline.processes" in cmd and role in cmd:
-            return p
-    return None
 
 
 def _steps(run_dir: Path) -> list[dict]:
@@ -49,16 +39,12 @@ def test_sluice_run_survives_kill_9_of_trainer_and_producer(tmp_path: Path) -> N
     out = open(tmp_path / "launcher.log", "wb")  # noqa: SIM115 - the child keeps it
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
-    launcher = psutil.Process(proc.pid)
-    # Every process the run ever started, seen while it was still the launcher's descendant: one orphaned by the
-    # kill (a multiprocessing server of the trainer's, say) has no run folder in its command line to find it by.
+    # Every process the run ever started, by the run folder each inherits in its environment: under Ray none is the
+    # launcher's descendant, and one orphaned by the kill (a trainer's multiprocessing server) is found the same way.
     started: dict[int, psutil.Process] = {}
 
     def watch() -> None:
-        try:
-            started.update({p.pid: p for p in launcher.children(recursive=True)})
-        except psutil.Error:
-            pass
+        started.update(run_processes(run_dir))
 
     try:
         deadline = time.monotonic() + 300
@@ -68,7 +54,7 @@ def test_sluice_run_survives_kill_9_of_trainer_and_producer(tmp_path: Path) -> N
             watch()
             time.sleep(0.1)
         watch()
-        victims = [_child(launcher, "trainer"), _child(launcher, "producer")]
+        victims = [find_role(run_dir, "trainer"), find_role(run_dir, "producer")]
         assert all(victims)
         for v in victims:
             v.send_signal(signal.SIGKILL)  # a crash, not a shutdown; both were started by our launcher
@@ -106,12 +92,6 @@ def test_sluice_run_survives_kill_9_of_trainer_and_producer(tmp_path: Path) -> N
     # Nothing of the run is left behind.
     assert not [p for p in psutil.process_iter(["cmdline"]) if str(run_dir) in " ".join(p.info["cmdline"] or [])]
     assert len(started) > 5
-
-    def alive(p: psutil.Process) -> bool:
-        try:
-            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            return False
 
     left = [p.pid for p in started.values() if alive(p)]
     assert not left, f"processes of the run still alive: {left}"
@@ -161,7 +141,6 @@ def test_sluice_run_with_many_stale_drops_and_a_killed_producer_completes(tmp_pa
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(fixtures), str(ROOT)]))
     out = open(tmp_path / "launcher.log", "wb")  # noqa: SIM115 - the child keeps it
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-    launcher = psutil.Process(proc.pid)
     try:
         deadline = time.monotonic() + 300
         while len(_steps(run_dir)) < 4:
@@ -174,8 +153,8 @@ def test_sluice_run_with_many_stale_drops_and_a_killed_producer_completes(tmp_pa
             while not handle.queue.redis.hlen(inflight):
                 assert time.monotonic() < deadline, "producer-0 never had a group in flight"
                 time.sleep(0.02)
-            victim = next(p for p in launcher.children(recursive=True)
-                          if "producer-0" in p.cmdline() and "pipeline.processes" in p.cmdline())
+            victim = find_role(run_dir, "producer", "producer-0")
+            assert victim is not None
             victim.send_signal(signal.SIGKILL)  # started by our launcher
         finally:
             handle.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -77,7 +78,7 @@ def run_trainer(run_dir: Path, cfg: SluiceConfig, model_dir: Path,
                          min_groups=ps.get_data_parallel_world_size())
         clock = RedisClock(handle.queue)
         if engines:
-            pusher = loop.run_until_complete(_connect_pusher(cfg, engines))
+            pusher = loop.run_until_complete(_connect_pusher(cfg, engines, run_dir))
         if cfg.eval.heldout.enabled:
             snapshots = SnapshotWriter.for_run(run_dir, model_dir, cfg.eval.heldout, clock.get())
 
@@ -105,16 +106,32 @@ def run_trainer(run_dir: Path, cfg: SluiceConfig, model_dir: Path,
         gc.freeze()
 
 
-async def _connect_pusher(cfg: SluiceConfig, engines: Sequence[WeightUpdateEngine]) -> Any:
-    from pipeline.queue.redis_server import free_port
+async def _connect_pusher(cfg: SluiceConfig, engines: Sequence[WeightUpdateEngine], run_dir: Path) -> Any:
+    """The push to the engines, routed around one that fails and re-syncing one that comes back
+    (``pipeline.sync.rotation``)."""
+    from pipeline.sync.rotation import EngineRotation
     from pipeline.sync.weights import WeightPusher
 
     backend = cfg.sync.backend if cfg.sync.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
-    port = cfg.sync.master_port or free_port()
-    return await WeightPusher.connect(
-        engines, master_address="127.0.0.1", master_port=port, backend=backend, timeout_s=cfg.sync.timeout_s,
-        bucket_bytes=cfg.sync.bucket_mb * 2**20 if cfg.sync.bucket_mb else None,
-    )
+    port = cfg.sync.master_port  # 0: the pusher binds a port of the OS's choosing, then tells the engines
+    # The engines connect to this rank's store: at the address its host reported, where other nodes reach it.
+    address = os.environ.get("SLUICE_NODE_IP", "127.0.0.1")
+
+    async def connect(members: list[WeightUpdateEngine]) -> WeightPusher:
+        return await WeightPusher.connect(
+            members, master_address=address, master_port=port, backend=backend, timeout_s=cfg.sync.timeout_s,
+            bucket_bytes=cfg.sync.bucket_mb * 2**20 if cfg.sync.bucket_mb else None,
+        )
+
+    def discover(known: list[WeightUpdateEngine]) -> list[WeightUpdateEngine]:
+        # engines.json is the launcher's: it rewrites an engine's URL when a restart put it on another node.
+        from pipeline.producers.sglang_client import SGLangClient
+
+        by_url = {e.name: e for e in known}
+        urls = [u.rstrip("/") for u in json.loads((run_dir / "engines.json").read_text())]
+        return [by_url.get(url) or SGLangClient(url) for url in urls]
+
+    return await EngineRotation.start(engines, connect, discover if (run_dir / "engines.json").exists() else None)
 
 
 def run_replay(cfg: SluiceConfig, model_dir: Path, source: Path, id_range: tuple[str | None, str | None] | None,

@@ -423,7 +423,8 @@ class Trainer:
         try:
             await self.pusher.close()
         finally:
-            for engine in self.pusher.engines:
+            # A rotation's engines are those in its group now; its clients include the ones that left it.
+            for engine in getattr(self.pusher, "all", self.pusher.engines):
                 await engine.close()
 
 

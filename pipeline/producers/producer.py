@@ -547,6 +547,15 @@ def read_num_experts(model_dir: str | Path) -> int | None:
     return int(n) if n else None
 
 
+def routed_experts_shape(model_dir: str | Path) -> tuple[int, int] | None:
+    """(MoE layers, top-k) of an HF MoE model, which SGLang's flat routed_experts must be reshaped to; None for a
+    dense model. SGLang's /model_info does not report it; the model's config does."""
+    if read_num_experts(model_dir) is None:
+        return None
+    hf = json.loads((Path(model_dir) / "config.json").read_text())
+    return hf["num_hidden_layers"] - len(hf.get("mlp_only_layers") or []), int(hf["num_experts_per_tok"])
+
+
 def load_tokenize(model_dir: str | Path) -> Tokenize:
     """Text -> token ids with the model folder's HF tokenizer, without special tokens (as the engine does for text)."""
     from transformers import AutoTokenizer
@@ -610,7 +619,9 @@ async def open_producer(spec: ProducerSpec) -> AsyncIterator[Producer]:
     tokenize = load_tokenize(spec.model_dir)
     redis_client = connect(spec.redis_url)
     # No per-client retry: the pool fails over to another engine at once instead of waiting out a dead one.
-    pool = EnginePool([SGLangClient(url, timeout=spec.request_timeout_s, retry=NO_RETRY) for url in spec.engine_urls])
+    shape = routed_experts_shape(spec.model_dir)
+    pool = EnginePool([SGLangClient(url, timeout=spec.request_timeout_s, retry=NO_RETRY, routed_experts_shape=shape)
+                       for url in spec.engine_urls])
     try:
         pacing = None if spec.pacing is None else Pacing(spec.pacing.max_lag, spec.pacing.batch_groups)
         yield Producer(

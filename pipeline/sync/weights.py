@@ -145,8 +145,12 @@ def init_weight_group(
     group_name: str,
     backend: str = "gloo",
     timeout_s: float = 300.0,
+    store: TCPStore | None = None,
 ) -> WeightGroup:
-    """Join (rank > 0) or host (rank 0) the weight group; blocks until all ``world_size`` members have joined."""
+    """Join (rank > 0) or host (rank 0) the weight group; blocks until all ``world_size`` members have joined.
+
+    ``store``: rank 0's store, already bound (``bind_weight_store``); otherwise one is made at the address and port.
+    """
     if backend not in SUPPORTED_BACKENDS:
         raise SyncError(f"weight group backend {backend!r} is unknown; use one of {SUPPORTED_BACKENDS}")
     if not 0 <= rank < world_size:
@@ -154,9 +158,10 @@ def init_weight_group(
     if backend == "nccl" and not (dist.is_nccl_available() and torch.cuda.is_available()):
         raise SyncError("backend 'nccl' needs CUDA and a torch built with NCCL; use backend='gloo' on CPU")
     timeout = timedelta(seconds=timeout_s)
-    store = TCPStore(
-        master_address, master_port, world_size, is_master=rank == 0, timeout=timeout, multi_tenant=True
-    )
+    if store is None:
+        store = TCPStore(
+            master_address, master_port, world_size, is_master=rank == 0, timeout=timeout, multi_tenant=True
+        )
     # The key prefixes reproduce what SGLang's engine side gets from its custom group helper (a PrefixStore of the
     # group name, then torch's "<group>/" and "<device>/" prefixes), so a real SGLang engine and this trainer meet on
     # the same rendezvous keys.
@@ -166,6 +171,12 @@ def init_weight_group(
     return WeightGroup(
         store=store, backend_impl=impl, rank=rank, world_size=world_size, backend=backend, group_name=group_name
     )
+
+
+def bind_weight_store(world_size: int, timeout_s: float = 300.0) -> TCPStore:
+    """Rank 0's store on a port the OS picks (``.port``), listening before any member is told where to join."""
+    return TCPStore("0.0.0.0", 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
+                    wait_for_workers=False)
 
 
 def _make_backend(backend: str, store: Store, rank: int, world_size: int, timeout: timedelta) -> Any:
@@ -342,7 +353,7 @@ class WeightPusher:
         engines: Sequence[WeightUpdateEngine],
         *,
         master_address: str,
-        master_port: int,
+        master_port: int = 0,
         group_name: str = "sluice_weights",
         backend: str = "gloo",
         ranks_per_engine: Sequence[int] | None = None,
@@ -361,8 +372,13 @@ class WeightPusher:
             raise SyncError(f"ranks_per_engine needs one positive entry per engine, got {ranks} for {len(engines)}")
         world_size = 1 + sum(ranks)
         offsets = [1 + sum(ranks[:i]) for i in range(len(ranks))]
+        store = None
+        if master_port == 0:  # bound here and now, then announced: no port picked first and bound later
+            store = bind_weight_store(world_size, timeout_s)
+            master_port = int(store.port)
         hosting = _run_in_thread(
-            lambda: init_weight_group(master_address, master_port, 0, world_size, group_name, backend, timeout_s)
+            lambda: init_weight_group(master_address, master_port, 0, world_size, group_name, backend, timeout_s,
+                                      store=store)
         )
         joins = [
             engine.init_weights_update_group(

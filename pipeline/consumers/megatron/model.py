@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -21,10 +22,28 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+_WORLD_STORE: dist.TCPStore | None = None
+
+
+def bind_world_store(world_size: int) -> int:
+    """Rank 0: host the world's store on a port the OS picks; returns it. ``init_parallel`` then builds the world on
+    this store, so no port is picked by one process and bound by another."""
+    global _WORLD_STORE
+    _WORLD_STORE = dist.TCPStore("0.0.0.0", 0, world_size, is_master=True, wait_for_workers=False,
+                                 timeout=timedelta(minutes=30))
+    return int(_WORLD_STORE.port)
+
+
 def _init_process_group(device: str) -> None:
     backend = "nccl" if device == "cuda" else "gloo"
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if _WORLD_STORE is not None:
+        # The other ranks join by env://, and torch prefixes the store it makes for them with "default_pg" (but not a
+        # store it is handed): without the same prefix here the ranks wait on different keys forever.
+        dist.init_process_group(backend=backend, store=dist.PrefixStore("default_pg", _WORLD_STORE), rank=0,
+                                world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        return
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend=backend)  # torchrun, Ray or sluice's launcher set the world up
         return

@@ -1,0 +1,169 @@
+"""The Ray instance a run's processes live in: a private one on this machine, or an existing cluster.
+
+A private instance is a ``ray start --head --block`` under ``pipeline.host_reaper``, watching the launcher, rather
+than the one ``ray.init()`` would start inside the launcher. Two reasons, both measured:
+
+- ``ray.init()`` starts GCS and raylet in the launcher's process group with only SIGINT blocked, so a SIGHUP or
+  SIGTERM sent to that group (a closing terminal, ``kill -- -PGID``) killed Ray, and with it every process, before
+  the launcher's orderly stop could run. Under the reaper, Ray has a session of its own.
+- The reaper SIGKILLs Ray's whole group once the launcher is gone, however it went (even SIGKILL), and each process
+  of the run dies with its host actor (``pipeline.cluster``): nothing a run started outlives its launcher.
+
+``ray start`` ignores SIGTERM while it blocks, so the instance is stopped with the reaper's SIGUSR1 (a SIGKILL of
+the group); it holds no state worth an orderly stop, since everything of the run is in Redis and the run folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import SluiceError
+
+log = logging.getLogger(__name__)
+
+# Ray's session folders hold Unix sockets, whose paths may not exceed 107 bytes; Ray appends about 60 to its temp dir.
+_MAX_TEMP_DIR = 44
+_OBJECT_STORE_BYTES = 128 * 2**20
+# Ray 2.60 turns token auth on for a new cluster only where a token file (~/.ray/auth_token) exists already, and a
+# driver that connects to an existing cluster only where the mode is set: left to those defaults, a private head and
+# its launcher disagreed as soon as any earlier Ray use had written the file. Both sides say it explicitly (the token
+# itself stays in Ray's file, never in the run's).
+_AUTH = {"RAY_AUTH_MODE": "token"}  # no bulk data goes through Ray on this path; the default takes 30% of memory
+
+
+@dataclass
+class RayInstance:
+    """The instance a run connected to: its address, its dashboard if any, and the private head if sluice owns it."""
+
+    address: str
+    dashboard_url: str | None
+    head: PrivateHead | None = None
+
+
+def temp_dir_for(run_dir: Path) -> Path:
+    """The run folder's ``ray`` subfolder when its path is short enough for Ray's sockets, else one in the system's
+    temp folder named after the run folder (the same for every launch of the run)."""
+    inside = run_dir.resolve() / "ray"
+    if len(str(inside)) <= _MAX_TEMP_DIR:
+        return inside
+    digest = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:12]
+    return Path("/tmp") / f"sluice-ray-{digest}"
+
+
+class PrivateHead:
+    """``ray start --head --block`` for one run, tied to the launcher by ``pipeline.host_reaper``."""
+
+    def __init__(self, temp_dir: Path, state_dir: Path, log_path: Path, *, num_cpus: float,
+                 dashboard: bool) -> None:
+        self.temp_dir, self.state_dir, self.log_path = temp_dir, state_dir, log_path
+        self.num_cpus, self.dashboard = num_cpus, dashboard
+        self.reaper_pid: int | None = None
+
+    def start(self) -> None:
+        """Begin starting the head; ``address`` waits for it."""
+        # A previous launch's session: its sockets and address file would be mistaken for this one's.
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+        shutil.rmtree(self.state_dir, ignore_errors=True)
+        self.temp_dir.mkdir(parents=True)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        ray_cli = Path(sys.executable).with_name("ray")
+        cmd = [str(ray_cli) if ray_cli.exists() else "ray", "start", "--head", "--block", "--port", "0",
+               "--temp-dir", str(self.temp_dir), "--num-cpus", f"{self.num_cpus:g}",
+               "--object-store-memory", str(_OBJECT_STORE_BYTES), "--disable-usage-stats",
+               f"--include-dashboard={'true' if self.dashboard else 'false'}"]
+        reaper = [sys.executable, "-m", "pipeline.host_reaper", str(os.getpid()), str(self.state_dir), "--", *cmd]
+        env = {**os.environ, "RAY_TMPDIR": str(self.temp_dir), **_AUTH}
+        with open(self.log_path, "ab") as out:
+            launcher = subprocess.Popen(reaper, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL)
+        if launcher.wait() != 0:
+            raise SluiceError(f"could not start Ray's reaper (exit {launcher.returncode}); see {self.log_path}")
+
+    def address(self, timeout_s: float = 120.0) -> str:
+        """The GCS address, once the head has written it."""
+        address_file = self.temp_dir / "ray_current_cluster"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.reaper_pid is None and (self.state_dir / "reaper.pid").exists():
+                self.reaper_pid = int((self.state_dir / "reaper.pid").read_text())
+            if address_file.exists() and (text := address_file.read_text().strip()):
+                return text
+            if (self.state_dir / "exit").exists():
+                raise SluiceError(f"the run's Ray instance exited while starting; see {self.log_path}")
+            time.sleep(0.1)
+        self.stop()
+        raise SluiceError(f"the run's Ray instance did not start within {timeout_s:.0f}s; see {self.log_path}")
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.reaper_pid is None and (self.state_dir / "reaper.pid").exists():
+            self.reaper_pid = int((self.state_dir / "reaper.pid").read_text())
+        if self.reaper_pid is None:
+            return
+        try:
+            os.kill(self.reaper_pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + timeout_s
+        while not (self.state_dir / "exit").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def start_private_head(run_dir: Path, *, num_cpus: float, dashboard: bool) -> PrivateHead:
+    """Begin starting a private instance for the run (about 6 s here); ``connected`` waits for it, so the caller
+    can prepare the run meanwhile."""
+    head = PrivateHead(temp_dir_for(run_dir), run_dir / "logs" / ".ray-head.state", run_dir / "logs" / "ray.log",
+                       num_cpus=num_cpus, dashboard=dashboard)
+    head.start()
+    return head
+
+
+@contextmanager
+def connected(run_dir: Path, target: PrivateHead | str) -> Iterator[RayInstance]:
+    """This process as the driver of the run's Ray (a private head, or a cluster's address); on exit it disconnects
+    and stops the private head, and with it whatever the run still had on it."""
+    head = target if isinstance(target, PrivateHead) else None
+    saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", *_AUTH)}
+    if head is not None:
+        # Before Ray is imported: it reads its settings from the environment once.
+        os.environ["RAY_TMPDIR"] = str(head.temp_dir)  # the driver's session files beside the head's
+        os.environ.update(_AUTH)
+        if "ray" in sys.modules:  # imported already, and its settings read: have them read again
+            from ray._raylet import Config
+
+            Config.initialize("")
+    import ray
+
+    try:
+        address = head.address() if head is not None else str(target)
+        context: Any = ray.init(address=address, namespace=f"sluice-{run_dir.resolve().name}", log_to_driver=False,
+                                logging_level=logging.WARNING, configure_logging=False)
+        url = getattr(context, "dashboard_url", None) or None
+        yield RayInstance(address, f"http://{url}" if url and "://" not in url else url, head)
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        if head is not None:
+            head.stop()
+        for k, v in saved.items():  # a later driver in this process may connect to another cluster
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def cluster_resources() -> dict[str, float]:
+    import ray
+
+    return {k: float(v) for k, v in ray.cluster_resources().items()}

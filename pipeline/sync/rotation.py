@@ -1,0 +1,135 @@
+"""The trainer's weight push over engines that fail and come back.
+
+A weight group is one collective: an engine that dies during a push breaks it for every member. ``EngineRotation``
+keeps the push going without that engine: it finds which engines still answer, rebuilds the group over those, and
+sends the step's weights again, so the trainer neither crashes nor rolls back to its last checkpoint. Before each
+push it looks for engines that are out of the group or were restarted behind its back (a restarted engine answers
+with the weight version it started with, not the last one pushed) and rebuilds the group with them, so the push that
+follows re-syncs them with every weight. Between its restart and that push an engine serves its old weights; the
+samples it makes meanwhile carry their real weight version, so the staleness policy sees them for what they are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+
+import torch
+
+from pipeline.errors import SyncError
+from pipeline.sync.base import WeightUpdateEngine
+from pipeline.sync.weights import PushStats, WeightPusher
+
+log = logging.getLogger(__name__)
+
+Connect = Callable[[list[WeightUpdateEngine]], Awaitable[WeightPusher]]
+Discover = Callable[[list[WeightUpdateEngine]], list[WeightUpdateEngine]]
+
+
+async def _healthy(engine: WeightUpdateEngine) -> bool:
+    probe = getattr(engine, "health", None)
+    if probe is None:
+        return True  # an engine that cannot be probed is taken at its word
+    try:
+        return bool(await probe())
+    except Exception:
+        return False
+
+
+async def _version(engine: WeightUpdateEngine) -> str | None:
+    probe = getattr(engine, "weight_version", None)
+    if probe is None:
+        return None
+    try:
+        return str(await probe())
+    except Exception:
+        return None
+
+
+class EngineRotation:
+    """A ``WeightPusher`` over the engines that answer, rebuilt when one fails or one comes back."""
+
+    def __init__(self, engines: Sequence[WeightUpdateEngine], connect: Connect,
+                 discover: Discover | None = None) -> None:
+        if not engines:
+            raise SyncError("the weight push needs at least one engine")
+        self.all = list(engines)
+        self._connect = connect
+        # The engines as they are now (one restarted on another node has another address), given those known.
+        self._discover = discover
+        self.pusher: WeightPusher | None = None
+        self.members: list[WeightUpdateEngine] = []
+        self.pushed: str | None = None
+        self.rebuilds = 0
+
+    @classmethod
+    async def start(cls, engines: Sequence[WeightUpdateEngine], connect: Connect,
+                    discover: Discover | None = None) -> EngineRotation:
+        rotation = cls(engines, connect, discover)
+        await rotation._rebuild(await rotation._answering(rotation.all))
+        return rotation
+
+    @property
+    def engines(self) -> list[WeightUpdateEngine]:
+        return list(self.members)
+
+    async def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | int) -> PushStats:
+        weights = list(named_tensors)
+        await self._admit_returned()
+        assert self.pusher is not None
+        try:
+            stats = await self.pusher.push(weights, weight_version)
+        except SyncError as exc:
+            alive = await self._answering(self.members)
+            if len(alive) == len(self.members):
+                raise  # every engine answers: not an engine fault, and nothing to route around
+            gone = [e.name for e in self.members if e not in alive]
+            log.warning("weight push %s failed (%s); %s stopped answering and leave the rotation, the push goes to "
+                        "the %d left", weight_version, exc, ", ".join(gone), len(alive))
+            await self._rebuild(alive)
+            assert self.pusher is not None
+            stats = await self.pusher.push(weights, weight_version)
+        self.pushed = str(weight_version)
+        return stats
+
+    async def close(self) -> None:
+        if self.pusher is not None:
+            try:
+                await self.pusher.close()
+            except SyncError as exc:
+                log.warning("leaving the weight group: %s", exc)
+            self.pusher = None
+
+    async def _answering(self, engines: Sequence[WeightUpdateEngine]) -> list[WeightUpdateEngine]:
+        ok = await asyncio.gather(*(_healthy(e) for e in engines))
+        alive = [e for e, good in zip(engines, ok) if good]
+        if not alive:
+            raise SyncError(f"no engine answers ({', '.join(e.name for e in engines)}); the weight push has nowhere "
+                            "to go")
+        return alive
+
+    async def _admit_returned(self) -> None:
+        if self._discover is not None:
+            self.all = self._discover(self.all)
+            moved = [e for e in self.members if e not in self.all]
+            if moved:
+                log.warning("%s moved away; rebuilding the weight group without them", ", ".join(e.name for e in moved))
+                await self._rebuild(await self._answering([e for e in self.members if e in self.all]))
+        outside = [e for e in self.all if e not in self.members]
+        back = [e for e, ok in zip(outside, await asyncio.gather(*(_healthy(e) for e in outside))) if ok]
+        restarted = []
+        if self.pushed is not None:
+            versions = await asyncio.gather(*(_version(e) for e in self.members))
+            restarted = [e for e, v in zip(self.members, versions) if v is not None and v != self.pushed]
+        if back or restarted:
+            log.warning("%s answer again or restarted; rebuilding the weight group so that the next push re-syncs "
+                        "them", ", ".join(e.name for e in [*back, *restarted]))
+            members = [e for e in self.all if e in self.members or e in back]
+            await self._rebuild(await self._answering(members))
+
+    async def _rebuild(self, members: list[WeightUpdateEngine]) -> None:
+        await self.close()
+        self.pusher = await self._connect(members)
+        self.members = members
+        self.rebuilds += 1

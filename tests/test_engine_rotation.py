@@ -1,0 +1,86 @@
+"""The trainer's push over engines that fail and come back (``pipeline.sync.rotation``), with real CPU engines on
+gloo: a SIGKILLed engine leaves the rotation and the push reaches the one left; an engine restarted at its address
+rejoins and the next push re-syncs it, whether it failed a push first or was restarted between two pushes."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+from engines import start_engine
+from safetensors.torch import load_file
+
+from pipeline.errors import SyncError
+from pipeline.models.tiny import init_tiny_model
+from pipeline.producers.sglang_client import NO_RETRY, SGLangClient
+from pipeline.sync.rotation import EngineRotation
+from pipeline.sync.weights import WeightPusher
+
+pytestmark = pytest.mark.slow
+GREEDY = {"temperature": 0.0, "max_new_tokens": 12}
+PROMPT = [11, 12, 13, 14, 15]
+
+
+async def _connect(members: list) -> WeightPusher:
+    return await WeightPusher.connect(members, master_address="127.0.0.1", backend="gloo", timeout_s=60)
+
+
+async def _greedy(client: SGLangClient) -> np.ndarray:
+    return (await client.generate(PROMPT, GREEDY, return_logprob=False)).output_ids
+
+
+def test_a_dead_engine_leaves_the_rotation_and_a_restarted_one_is_re_synced(model_dir: Path, tmp_path: Path) -> None:
+    new_dir = init_tiny_model("qwen3-moe", tmp_path / "trained", seed=1)  # weights unlike the engines' own
+    weights = sorted(load_file(str(new_dir / "model.safetensors")).items())
+    a, b = start_engine(model_dir, tmp_path), start_engine(model_dir, tmp_path)
+    engines = [a, b]
+
+    async def main() -> None:
+        clients = [SGLangClient(a.url, retry=NO_RETRY), SGLangClient(b.url, retry=NO_RETRY)]
+        rotation = await EngineRotation.start(clients, _connect)
+        try:
+            original = await _greedy(clients[0])
+            await rotation.push(weights, 1)
+            trained = await _greedy(clients[0])
+            assert not np.array_equal(original, trained)  # the push changed what the engines answer
+            assert [await c.weight_version() for c in clients] == ["1", "1"]
+
+            b.stop(signal.SIGKILL)  # dies between pushes; the next push finds it gone
+            await rotation.push(weights, 2)
+            assert rotation.engines == [clients[0]] and await clients[0].weight_version() == "2"
+
+            engines.append(await asyncio.to_thread(start_engine, model_dir, tmp_path, b.port))  # back, untrained
+            assert await clients[1].weight_version() == "0"
+            assert np.array_equal(await _greedy(clients[1]), original)
+            await rotation.push(weights, 3)
+            assert rotation.engines == clients
+            assert [await c.weight_version() for c in clients] == ["3", "3"]
+            assert np.array_equal(await _greedy(clients[1]), trained)  # re-synced with every weight
+
+            # Restarted between two pushes, without failing one: its version gives it away.
+            engines[-1].stop(signal.SIGKILL)
+            engines.append(await asyncio.to_thread(start_engine, model_dir, tmp_path, b.port))
+            rebuilds = rotation.rebuilds
+            await rotation.push(weights, 4)
+            assert rotation.rebuilds == rebuilds + 1
+            assert [await c.weight_version() for c in clients] == ["4", "4"]
+            assert np.array_equal(await _greedy(clients[1]), trained)
+
+            # With no engine left the push fails, naming them, rather than pretending.
+            for e in engines:
+                e.stop(signal.SIGKILL)
+            with pytest.raises(SyncError, match="no engine answers"):
+                await rotation.push(weights, 5)
+        finally:
+            await rotation.close()
+            for c in clients:
+                await c.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        for e in engines:
+            e.stop()
