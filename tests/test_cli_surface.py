@@ -25,7 +25,7 @@ SURFACE = {
     "queue stats": ([], ["--json", "--redis", "--run", "--run-dir"]),
     "queue tail": ([], ["--count", "--follow", "--json", "--redis", "--run", "--run-dir"]),
     "replay": (["recipe"], ["--from", "--range", "--run-dir", "--set", "--steps"]),
-    "run": (["recipe"], ["--dry-run", "--run-dir", "--set", "--steps"]),
+    "run": (["recipe"], ["--dry-run", "--ray-address", "--run-dir", "--set", "--steps"]),  # issue 8 asks for it
     "sft": (["recipe"], ["--run-dir", "--set"]),
 }
 

@@ -40,7 +40,7 @@ def test_a_dead_engine_leaves_the_rotation_and_a_restarted_one_is_re_synced(mode
 
     async def main() -> None:
         clients = [SGLangClient(a.url, retry=NO_RETRY), SGLangClient(b.url, retry=NO_RETRY)]
-        rotation = await EngineRotation.start(clients, _connect)
+        rotation = await EngineRotation.start(clients, _connect, wait_s=3.0)
         try:
             original = await _greedy(clients[0])
             await rotation.push(weights, 1)
@@ -69,11 +69,19 @@ def test_a_dead_engine_leaves_the_rotation_and_a_restarted_one_is_re_synced(mode
             assert [await c.weight_version() for c in clients] == ["4", "4"]
             assert np.array_equal(await _greedy(clients[1]), trained)
 
-            # With no engine left the push fails, naming them, rather than pretending.
+            # With every engine down the push waits for one to come back (the launcher restarts it)...
             for e in engines:
                 e.stop(signal.SIGKILL)
+            rotation.wait_s = 120.0
+            restart = asyncio.create_task(asyncio.to_thread(start_engine, model_dir, tmp_path, a.port))
+            await rotation.push(weights, 5)
+            engines.append(await restart)
+            assert rotation.engines == [clients[0]] and await clients[0].weight_version() == "5"
+            # ... and, when none does within its wait, fails naming them rather than pretending.
+            engines[-1].stop(signal.SIGKILL)
+            rotation.wait_s = 2.0
             with pytest.raises(SyncError, match="no engine answers"):
-                await rotation.push(weights, 5)
+                await rotation.push(weights, 6)
         finally:
             await rotation.close()
             for c in clients:

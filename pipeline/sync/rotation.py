@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 import torch
@@ -51,13 +52,16 @@ class EngineRotation:
     """A ``WeightPusher`` over the engines that answer, rebuilt when one fails or one comes back."""
 
     def __init__(self, engines: Sequence[WeightUpdateEngine], connect: Connect,
-                 discover: Discover | None = None) -> None:
+                 discover: Discover | None = None, wait_s: float = 120.0) -> None:
         if not engines:
             raise SyncError("the weight push needs at least one engine")
         self.all = list(engines)
         self._connect = connect
         # The engines as they are now (one restarted on another node has another address), given those known.
         self._discover = discover
+        # With no engine answering, how long to wait for one (the launcher restarts a dead engine in seconds; the
+        # trainer failing instead would roll back to its checkpoint).
+        self.wait_s = wait_s
         self.pusher: WeightPusher | None = None
         self.members: list[WeightUpdateEngine] = []
         self.pushed: str | None = None
@@ -65,8 +69,8 @@ class EngineRotation:
 
     @classmethod
     async def start(cls, engines: Sequence[WeightUpdateEngine], connect: Connect,
-                    discover: Discover | None = None) -> EngineRotation:
-        rotation = cls(engines, connect, discover)
+                    discover: Discover | None = None, wait_s: float = 120.0) -> EngineRotation:
+        rotation = cls(engines, connect, discover, wait_s)
         await rotation._rebuild(await rotation._answering(rotation.all))
         return rotation
 
@@ -81,12 +85,14 @@ class EngineRotation:
         try:
             stats = await self.pusher.push(weights, weight_version)
         except SyncError as exc:
-            alive = await self._answering(self.members)
-            if len(alive) == len(self.members):
-                raise  # every engine answers: not an engine fault, and nothing to route around
+            alive = await self._answering(self.members)  # waits for one to come back if none answers
+            restarted = await self._restarted(alive)
+            if len(alive) == len(self.members) and not restarted:
+                raise  # every engine answers as it did: not an engine fault, and nothing to route around
             gone = [e.name for e in self.members if e not in alive]
-            log.warning("weight push %s failed (%s); %s stopped answering and leave the rotation, the push goes to "
-                        "the %d left", weight_version, exc, ", ".join(gone), len(alive))
+            log.warning("weight push %s failed (%s); out of the rotation: %s; restarted: %s; the push goes to the %d "
+                        "answering", weight_version, exc, ", ".join(gone) or "none",
+                        ", ".join(e.name for e in restarted) or "none", len(alive))
             await self._rebuild(alive)
             assert self.pusher is not None
             stats = await self.pusher.push(weights, weight_version)
@@ -102,12 +108,16 @@ class EngineRotation:
             self.pusher = None
 
     async def _answering(self, engines: Sequence[WeightUpdateEngine]) -> list[WeightUpdateEngine]:
-        ok = await asyncio.gather(*(_healthy(e) for e in engines))
-        alive = [e for e, good in zip(engines, ok) if good]
-        if not alive:
-            raise SyncError(f"no engine answers ({', '.join(e.name for e in engines)}); the weight push has nowhere "
-                            "to go")
-        return alive
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            ok = await asyncio.gather(*(_healthy(e) for e in engines))
+            alive = [e for e, good in zip(engines, ok) if good]
+            if alive:
+                return alive
+            if time.monotonic() >= deadline:
+                raise SyncError(f"no engine answers ({', '.join(e.name for e in engines)}) after {self.wait_s:.0f}s; "
+                                "the weight push has nowhere to go")
+            await asyncio.sleep(0.5)
 
     async def _admit_returned(self) -> None:
         if self._discover is not None:
@@ -118,15 +128,19 @@ class EngineRotation:
                 await self._rebuild(await self._answering([e for e in self.members if e in self.all]))
         outside = [e for e in self.all if e not in self.members]
         back = [e for e, ok in zip(outside, await asyncio.gather(*(_healthy(e) for e in outside))) if ok]
-        restarted = []
-        if self.pushed is not None:
-            versions = await asyncio.gather(*(_version(e) for e in self.members))
-            restarted = [e for e, v in zip(self.members, versions) if v is not None and v != self.pushed]
+        restarted = await self._restarted(self.members)
         if back or restarted:
             log.warning("%s answer again or restarted; rebuilding the weight group so that the next push re-syncs "
                         "them", ", ".join(e.name for e in [*back, *restarted]))
             members = [e for e in self.all if e in self.members or e in back]
             await self._rebuild(await self._answering(members))
+
+    async def _restarted(self, engines: Sequence[WeightUpdateEngine]) -> list[WeightUpdateEngine]:
+        """The engines that report another weight version than the last one pushed: restarted since."""
+        if self.pushed is None:
+            return []
+        versions = await asyncio.gather(*(_version(e) for e in engines))
+        return [e for e, v in zip(engines, versions) if v is not None and v != self.pushed]
 
     async def _rebuild(self, members: list[WeightUpdateEngine]) -> None:
         await self.close()

@@ -553,5 +553,9 @@ async def _expect_success(
 ) -> None:
     tasks = [asyncio.ensure_future(call) for call in calls]
     await asyncio.wait(tasks)
+    for task in tasks:
+        # Marks each failure as seen: once the first one raises below, the others would otherwise be reported by
+        # the garbage collector, at a moment of its choosing (it once broke a compile that was running then).
+        task.exception()
     for engine, task in zip(engines, tasks):
         _check_reply(engine, task, endpoint)
