@@ -118,6 +118,9 @@ class PrivateHead:
         deadline = time.monotonic() + timeout_s
         while not (self.state_dir / "exit").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
+        if self.temp_dir.name.startswith("sluice-ray-") and (self.state_dir / "exit").exists():
+            # Outside the run folder (its path was too long for Ray's sockets): nothing would ever clean it up.
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
 def start_private_head(run_dir: Path, *, num_cpus: float, dashboard: bool) -> PrivateHead:

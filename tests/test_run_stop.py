@@ -2,7 +2,8 @@
 
 The slow tests share one run folder and one chain of real ``sluice run`` launches with two trainer ranks, since each
 launch costs tens of seconds here: a second launcher is refused while the first lives, then the first is stopped by
-SIGINT (a Ctrl-C), a rerun of the same command resumes and is stopped by SIGTERM, the next by SIGHUP. Each stop must
+SIGINT (a Ctrl-C), and a rerun of the same command resumes and is stopped by SIGTERM (SIGHUP takes the same path
+through the launcher's handler, tested in-process below, so it costs no third launch). Each stop must
 end every child by its own orderly exit (none outlives the stop's timeout into a SIGKILL, which is what made the
 old one-at-a-time stop take 67 s) and leave no process it started; the reruns must pick up at the step the stop committed;
 ``sluice queue audit`` must find every sample accounted for exactly once.
@@ -27,11 +28,12 @@ import redis
 from runprocs import alive, is_role, run_processes
 
 from pipeline.launch import CHILD_STOP_S, TRAINER_STOP_S, RunLock, RunLockedError
+from pipeline.launch_control import Interrupted, StopRequest
 from pipeline.queue.keys import RunKeys
 from pipeline.queue.rundir import open_run
 
 ROOT = Path(__file__).parent.parent
-STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+STOPS = (signal.SIGINT, signal.SIGTERM)
 # Many more steps than the chain trains: every launch ends by a signal. checkpoint_every is out of reach too, so each
 # launch's only commit is the one its stop makes.
 RUN_ARGS = ["--steps", "60", "--set", "trainer.world_size=2", "--set", "trainer.ep=2",
@@ -219,7 +221,7 @@ def test_stop_signal_with_two_trainer_ranks_ends_every_child_in_order_and_leaves
 def test_reruns_resume_at_the_step_each_stop_committed(chain: Chain) -> None:
     resumes = [e for e in chain.events if e["kind"] == "resume"]
     assert len(resumes) == len(STOPS), resumes  # one per launch: no trainer restart along the way
-    for sig, resume in zip(("SIGINT", "SIGTERM"), resumes[1:]):
+    for sig, resume in zip([s.name for s in STOPS], resumes[1:]):
         last = chain.rows_at_exit[sig][-1]
         # The stop committed the last step it trained, and the rerun resumed right there, its version and all.
         assert int(resume["step"]) == last["step"] > 0
@@ -235,8 +237,42 @@ def test_audit_after_the_stops_shows_nothing_lost_or_duplicated(chain: Chain) ->
     ledger = chain.audit["trainer_ledger"]
     print("audit:", ledger)
     assert ledger["lost"] == 0 and ledger["duplicates"] == 0
-    assert ledger["committed_step"] == chain.rows_at_exit["SIGHUP"][-1]["step"]
+    assert ledger["committed_step"] == chain.rows_at_exit[STOPS[-1].name][-1]["step"]
     assert ledger["trained"] > 0 and chain.audit["duplicate_sample_ids"] == 0
+
+
+# ---- the handler alone, in this process: fast ----------------------------------------------------------------------
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_each_stop_signal_asks_for_the_orderly_stop_and_a_second_one_forces_it(sig: signal.Signals) -> None:
+    forced = []
+    stop = StopRequest(on_force=lambda: forced.append(1))
+    previous = signal.signal(sig, signal.SIG_DFL)  # what a terminal's job starts with (pytest may have its own)
+    stop.install()
+    try:
+        os.kill(os.getpid(), sig)
+        with pytest.raises(Interrupted):
+            stop.pause(5)
+        assert stop.signum == sig and not stop.forced and not forced
+        stop.begin_stop()
+        os.kill(os.getpid(), sig)
+        time.sleep(0.1)  # the handler runs between bytecodes of this thread
+        assert stop.forced and forced == [1]
+    finally:
+        stop.uninstall()
+        signal.signal(sig, previous)
+
+
+def test_an_ignored_stop_signal_stays_ignored() -> None:
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as under nohup
+    stop = StopRequest()
+    stop.install()
+    try:
+        os.kill(os.getpid(), signal.SIGHUP)
+        stop.pause(0.2)  # no Interrupted: the signal never reached the launcher
+        assert stop.signum is None
+    finally:
+        stop.uninstall()
+        signal.signal(signal.SIGHUP, previous)
 
 
 # ---- the lock alone, against a real Redis: fast ------------------------------------------------------------------
