@@ -177,8 +177,12 @@ def wait_healthy(urls: list[str], timeout_s: float, pause: Callable[[float], Non
 
 
 def start_engines(cfg: SluiceConfig, sup: Supervisor, model_dir: Path, run_dir: Path,
-                  pause: Callable[[float], None] = time.sleep) -> list[str]:
-    """The CPU engines, each binding a port of its own choosing on the node Ray put it on; their URLs, healthy."""
+                  pause: Callable[[float], None] = time.sleep, *, hold: bool = False) -> list[str]:
+    """The CPU engines, each binding a port of its own choosing on the node Ray put it on; their URLs, healthy.
+
+    ``hold``: they serve nothing until the trainer's first push (a resumed run's trainer pushes its weights at once;
+    until then the engines hold only the starting model's). A restarted engine always holds.
+    """
     if cfg.engine.type == "sglang":
         wait_healthy(list(cfg.engine.urls), cfg.engine.startup_timeout_s, pause)
         return list(cfg.engine.urls)
@@ -190,6 +194,8 @@ def start_engines(cfg: SluiceConfig, sup: Supervisor, model_dir: Path, run_dir: 
                 "--log-level", "warning"]
         if cfg.producer.return_routed_experts:
             args.append("--enable-return-routed-experts")
+        if hold:
+            args.append("--hold-until-update")
         specs.append(_spec(cfg, "engine", f"engine-{i}", args, port_file=port_file,
                            module="pipeline.producers.cpu_engine"))
     infos = sup.start(specs, stop_last=True)
@@ -198,9 +204,12 @@ def start_engines(cfg: SluiceConfig, sup: Supervisor, model_dir: Path, run_dir: 
         child = sup.children[f"engine-{i}"]
         # A restart binds the port it had, wherever it lands: on the same node its URL then stays what producers and
         # the trainer know. Only on another node (its node was lost) does the URL change.
-        child.process.spec = dataclasses.replace(child.process.spec, cmd=[
-            str(info["port"]) if a == "0" and child.process.spec.cmd[j - 1] == "--port" else a
-            for j, a in enumerate(child.process.spec.cmd)])
+        # And it serves nothing before the trainer's next push has re-synced it.
+        cmd = [str(info["port"]) if a == "0" and child.process.spec.cmd[j - 1] == "--port" else a
+               for j, a in enumerate(child.process.spec.cmd)]
+        if "--hold-until-update" not in cmd:
+            cmd.append("--hold-until-update")
+        child.process.spec = dataclasses.replace(child.process.spec, cmd=cmd)
         child.on_restart = lambda new, i=i: _engine_restarted(sup, run_dir, i, _url(new))
     wait_healthy(urls, cfg.engine.startup_timeout_s, pause)
     return urls
@@ -314,7 +323,7 @@ def run(cfg: SluiceConfig) -> int:
                 print(f"processes on {where}{dashboard}", flush=True)
                 try:
                     _check_resources(cfg)
-                    placement = _start_children(cfg, sup, model_dir, stop.pause)
+                    placement = _start_children(cfg, sup, handle, model_dir, stop.pause)
                     _supervise(cfg, sup, handle, placement, stop.pause)
                     print(format_curve(learning_curve(run_dir / "metrics" / "trainer.jsonl")))
                     if cfg.eval.heldout.enabled and cfg.eval.heldout.live:
@@ -346,14 +355,18 @@ def run(cfg: SluiceConfig) -> int:
         stop.uninstall()
 
 
-def _start_children(cfg: SluiceConfig, sup: Supervisor, model_dir: Path, pause: Callable[[float], None]) -> Any:
+def _start_children(cfg: SluiceConfig, sup: Supervisor, handle: RunHandle, model_dir: Path,
+                    pause: Callable[[float], None]) -> Any:
     """Warm start, engines, producers, trainer ranks, evaluator and archiver; returns the trainer's placement
     group."""
     run_dir = Path(cfg.run.run_dir).resolve()
     if cfg.warmstart.enabled:
         warm_start(cfg, run_dir, sup, pause)
+    from pipeline.consumers.checkpoints import latest_checkpoint
+
     placement = trainer_placement(cfg)
-    urls = start_engines(cfg, sup, model_dir, run_dir, pause)
+    resuming = latest_checkpoint(run_dir / "checkpoints") is not None or handle.queue.policy_version() > 0
+    urls = start_engines(cfg, sup, model_dir, run_dir, pause, hold=resuming)
     (run_dir / "engines.json").write_text(json.dumps(urls))
     pause(0)
     sup.start([_spec(cfg, "producer", f"producer-{i}", ["producer", str(run_dir), f"producer-{i}"])

@@ -36,14 +36,14 @@ class EngineProcess:
                 self.proc.wait()
 
 
-def start_engine(model_dir: Path, log_dir: Path, port: int | None = None) -> EngineProcess:
+def start_engine(model_dir: Path, log_dir: Path, port: int | None = None, *extra: str) -> EngineProcess:
     port = port or free_port()
     log = log_dir / f"engine-{port}.log"
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     with log.open("ab") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "pipeline.producers.cpu_engine", str(model_dir), "--host", "127.0.0.1",
-             "--port", str(port), "--enable-return-routed-experts", "--num-threads", "1", "--log-level", "warning"],
+             "--port", str(port), "--enable-return-routed-experts", "--num-threads", "1", "--log-level", "warning", *extra],
             stdout=out, stderr=subprocess.STDOUT, env=env,
         )  # fmt: skip
     engine = EngineProcess(proc, f"http://127.0.0.1:{port}", port, log)

@@ -832,3 +832,27 @@ def test_unseeded_requests_take_the_batched_sampling_path_and_seeded_ones_keep_t
     assert first_tokens(3) != first_tokens(4)
     seeded = Engine(CpuEngineConfig(model_path=str(model_dir))).new_sequence(spec(sampling_seed=11), 2)
     assert seeded.generator is not None and seeded.generator.initial_seed() == 13
+
+
+def test_an_engine_started_with_hold_serves_only_after_its_first_weight_update(model_dir: Path,
+                                                                               tmp_path: Path) -> None:
+    """What a restarted engine (or one a resumed run starts) does: healthy at once, so the trainer finds it and
+    pushes, but nothing sampled with its start-up weights."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    new_dir = init_tiny_model("qwen3-moe", tmp_path / "new_weights", seed=1)
+    engine = EngineProcess(model_dir, tmp_path / "engine.log", "--hold-until-update", "--enable-return-routed-experts")
+    try:
+        assert httpx.get(f"{engine.url}/health", timeout=5).status_code == 200
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(engine.generate, _request(PROMPTS[0], max_new_tokens=8))
+            time.sleep(3.0)
+            assert not pending.done()  # held: queued, not sampled
+            reply = engine.post("/update_weights_from_disk", {"model_path": str(new_dir), "weight_version": "5"})
+            assert reply.json()["success"], reply.text
+            served = pending.result(timeout=120)
+        # Every token of it came from the weights the update brought.
+        assert served["meta_info"]["weight_versions"] == [
+            {"version": "5", "start": 0, "end": len(served["output_ids"])}]
+    finally:
+        engine.stop()

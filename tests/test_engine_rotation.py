@@ -52,13 +52,16 @@ def test_a_dead_engine_leaves_the_rotation_and_a_restarted_one_is_re_synced(mode
             await rotation.push(weights, 2)
             assert rotation.engines == [clients[0]] and await clients[0].weight_version() == "2"
 
-            engines.append(await asyncio.to_thread(start_engine, model_dir, tmp_path, b.port))  # back, untrained
+            # Back at its address with its start-up weights, holding generation as the launcher restarts it.
+            engines.append(await asyncio.to_thread(start_engine, model_dir, tmp_path, b.port, "--hold-until-update"))
             assert await clients[1].weight_version() == "0"
-            assert np.array_equal(await _greedy(clients[1]), original)
+            held = asyncio.create_task(_greedy(clients[1]))
+            await asyncio.sleep(2.0)
+            assert not held.done()  # nothing sampled with the start-up weights
             await rotation.push(weights, 3)
             assert rotation.engines == clients
             assert [await c.weight_version() for c in clients] == ["3", "3"]
-            assert np.array_equal(await _greedy(clients[1]), trained)  # re-synced with every weight
+            assert np.array_equal(await held, trained)  # re-synced with every weight before it served
 
             # Restarted between two pushes, without failing one: its version gives it away.
             engines[-1].stop(signal.SIGKILL)

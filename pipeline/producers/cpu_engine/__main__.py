@@ -22,6 +22,8 @@ def parse_args(argv: list[str] | None = None) -> CpuEngineConfig:
     parser.add_argument("--max-context-len", type=int, default=None)
     parser.add_argument("--num-threads", type=int, default=None)
     parser.add_argument("--weight-version", dest="initial_weight_version", default="0")
+    parser.add_argument("--hold-until-update", action="store_true",
+                        help="serve no generation until the first complete weight update")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     return CpuEngineConfig(**vars(parser.parse_args(argv)))

@@ -38,6 +38,9 @@ class CpuEngineConfig(BaseModel):
     """torch intra-op threads; None keeps torch's default (which honours OMP_NUM_THREADS)."""
     initial_weight_version: str = "0"
     """weight_version reported before the first weight update."""
+    hold_until_update: bool = False
+    """Hold generation (requests queue, nothing is sampled) until the first complete weight update: an engine that
+    restarted, or that a resumed run started, would otherwise serve its start-up weights, not the trainer's."""
     seed: int = Field(default=0, ge=0)
     """Seeds the process RNG that requests without a sampling_seed draw from (batched, so their draws depend on
     what they are batched with; a request that must repeat itself passes sampling_seed)."""

@@ -179,7 +179,11 @@ class Engine:
         self.weights = WeightLoader(self.model)
         self.groups: dict[str, WeightGroup] = {}
         self.update_window_open = False
+        self.updated_in_window = False
         self.update_lock = asyncio.Lock()
+        self.held = cfg.hold_until_update
+        if self.held:
+            self.scheduler.set_paused(True)
         # Unseeded requests draw from the process RNG, seeded once here: a per-sequence generator for them would
         # force row-by-row sampling, which costs a sixth of a decode step on a small model.
         torch.manual_seed(cfg.seed)
@@ -441,8 +445,18 @@ class _Routes:
 
     async def end_update(self, request: web.Request) -> web.Response:
         """``POST /end_weight_update``."""
-        self.engine.update_window_open = False
+        engine = self.engine
+        engine.update_window_open = False
+        if engine.updated_in_window:
+            self._release()  # a whole push has landed: the weights are the trainer's now
+        engine.updated_in_window = False
         return _reply(True, "weight update window closed")
+
+    def _release(self) -> None:
+        if self.engine.held:
+            self.engine.held = False
+            self.engine.scheduler.set_paused(False)
+            log.info("first weight update received: generation starts")
 
     async def update_from_distributed(self, request: web.Request) -> web.Response:
         """``POST /update_weights_from_distributed``: receive the announced tensors, then load them between steps."""
@@ -470,6 +484,7 @@ class _Routes:
             except (SluiceError, RuntimeError) as exc:
                 return _reply(False, f"receiving the weights failed, old weights kept: {exc}", status=500)
             await asyncio.wrap_future(engine.scheduler.call(lambda: self._load(tensors, body)))
+            engine.updated_in_window = True
         return _reply(True, f"loaded {len(tensors)} tensors; weight_version {engine.generator.version}")
 
     def _load(self, tensors: list[tuple[str, torch.Tensor]], body: UpdateFromDistributedRequest) -> None:
@@ -504,6 +519,7 @@ class _Routes:
                     engine.generator.version = version
 
             await asyncio.wrap_future(engine.scheduler.call(load))
+        self._release()
         return _reply(True, f"loaded {len(tensors)} tensors from {body.model_path}; weight_version "
                             f"{engine.generator.version}")
 
@@ -537,6 +553,7 @@ class _Routes:
 
     async def resume(self, request: web.Request) -> web.Response:
         """``POST /continue_generation``."""
+        self.engine.held = False  # an explicit go-ahead overrides a hold
         self.engine.scheduler.set_paused(False)
         return _reply(True, "generation continues")
 
