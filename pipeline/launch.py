@@ -340,7 +340,10 @@ def run(cfg: SluiceConfig) -> int:
                 finally:
                     stop.begin_stop()  # a signal from here on forces the stop
                     stop.killed = sup.stop_all(TRAINER_STOP_S, CHILD_STOP_S)
-        except Interrupted:
+        except Interrupted:  # before the processes started: a signal, or the lock lost while preparing
+            if lock.lost:
+                raise RunLockedError(f"another launcher took the lock of {run_dir} while this one prepared the run; "
+                                     "nothing was started") from None
             assert stop.signum is not None
             return 128 + stop.signum
         finally:
