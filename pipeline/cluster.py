@@ -168,7 +168,9 @@ def node_ip() -> str:
     try:
         import ray
 
-        return str(ray.util.get_node_ip_address()) if ray.is_initialized() else "127.0.0.1"
+        if not ray.is_initialized() or os.environ.get("SLUICE_LOOPBACK") == "1":
+            return "127.0.0.1"  # outside Ray, or on a run's private instance, which serves this machine only
+        return str(ray.util.get_node_ip_address())
     except ImportError:
         return "127.0.0.1"
 

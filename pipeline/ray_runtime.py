@@ -35,12 +35,12 @@ log = logging.getLogger(__name__)
 
 # Ray's session folders hold Unix sockets, whose paths may not exceed 107 bytes; Ray appends about 60 to its temp dir.
 _MAX_TEMP_DIR = 44
-_OBJECT_STORE_BYTES = 128 * 2**20
-# Ray 2.60 turns token auth on for a new cluster only where a token file (~/.ray/auth_token) exists already, and a
-# driver that connects to an existing cluster only where the mode is set: left to those defaults, a private head and
-# its launcher disagreed as soon as any earlier Ray use had written the file. Both sides say it explicitly (the token
-# itself stays in Ray's file, never in the run's).
-_AUTH = {"RAY_AUTH_MODE": "token"}  # no bulk data goes through Ray on this path; the default takes 30% of memory
+_OBJECT_STORE_BYTES = 128 * 2**20  # no bulk data goes through Ray on this path; the default takes 30% of memory
+# Token auth, said on both sides: Ray 2.60 decides it by whether ~/.ray/auth_token exists (for a new head, which then
+# refuses to start without a token if the mode says token) and by RAY_AUTH_MODE (for a driver); left to those
+# defaults, a private head and its launcher disagreed as soon as any earlier use of Ray had written the file. The
+# token is Ray's own, in Ray's own file (created once with `ray get-auth-token --generate`), never in the run's.
+_AUTH = {"RAY_AUTH_MODE": "token"}
 
 
 @dataclass
@@ -83,8 +83,14 @@ class PrivateHead:
                "--temp-dir", str(self.temp_dir), "--num-cpus", f"{self.num_cpus:g}",
                "--object-store-memory", str(_OBJECT_STORE_BYTES), "--disable-usage-stats",
                f"--include-dashboard={'true' if self.dashboard else 'false'}"]
+        token_file = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+        if "RAY_AUTH_TOKEN" not in os.environ and not token_file.exists():
+            # Its output is the token: it goes nowhere.
+            subprocess.run([cmd[0], "get-auth-token", "--generate"], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, check=True, timeout=120)
         reaper = [sys.executable, "-m", "pipeline.host_reaper", str(os.getpid()), str(self.state_dir), "--", *cmd]
-        env = {**os.environ, "RAY_TMPDIR": str(self.temp_dir), **_AUTH}
+        # SLUICE_LOOPBACK reaches every host through Ray's workers: the run's processes bind loopback too.
+        env = {**os.environ, "RAY_TMPDIR": str(self.temp_dir), **_AUTH, "SLUICE_LOOPBACK": "1"}
         with open(self.log_path, "ab") as out:
             launcher = subprocess.Popen(reaper, env=env, stdout=out, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL)

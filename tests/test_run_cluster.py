@@ -47,10 +47,14 @@ def test_two_node_run_recovers_when_the_trainer_node_is_removed_and_another_join
     ray_tmp = Path(tempfile.mkdtemp(prefix="rc-", dir="/tmp"))  # short: Ray's socket paths must fit in 107 bytes
     monkeypatch.setenv("RAY_TMPDIR", str(ray_tmp))  # where the cluster writes its address, not the shared /tmp/ray
     (ray_tmp / "ray").mkdir()
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 4, "resources": {"rollout": 8}, "include_dashboard": False, "temp_dir": str(ray_tmp / "ray")})
-    worker = cluster.add_node(num_cpus=2, resources={"train": 2})
-    cluster.wait_for_nodes()
+    try:
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 4, "resources": {"rollout": 8}, "include_dashboard": False, "temp_dir": str(ray_tmp / "ray")})
+        worker = cluster.add_node(num_cpus=2, resources={"train": 2})
+        cluster.wait_for_nodes()
+    except BaseException:
+        server.stop()  # nothing else of the test started yet
+        raise
     head_id = cluster.head_node.node_id
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "pipeline.cli", "run", "recipes/cpu-moe.toml", "--run-dir", str(run_dir),
