@@ -331,19 +331,13 @@ def run(cfg: SluiceConfig) -> int:
                         print(format_heldout(run_dir / "eval" / "metrics.jsonl"))
                     print(f"run folder: {run_dir}  (sluice queue audit --run-dir {run_dir})")
                     return 0
-                except Interrupted:
-                    if lock.lost:
-                        raise RunLockedError(f"another launcher took the lock of {run_dir} while this one ran (see "
-                                             "the log above); this launcher stopped its processes") from None
-                    assert stop.signum is not None
-                    return 128 + stop.signum
                 finally:
                     stop.begin_stop()  # a signal from here on forces the stop
                     stop.killed = sup.stop_all(TRAINER_STOP_S, CHILD_STOP_S)
-        except Interrupted:  # before the processes started: a signal, or the lock lost while preparing
+        except Interrupted:  # a stop signal, or the lock lost; whatever had started is stopped by now
             if lock.lost:
-                raise RunLockedError(f"another launcher took the lock of {run_dir} while this one prepared the run; "
-                                     "nothing was started") from None
+                raise RunLockedError(f"another launcher took the lock of {run_dir} while this one ran (see the log "
+                                     "above); this launcher stopped whatever it had started") from None
             assert stop.signum is not None
             return 128 + stop.signum
         finally:
