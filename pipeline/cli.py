@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pipeline.errors import SluiceError
+from pipeline.models.tiny import TINY_ARCHS
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
@@ -176,11 +177,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = _load(args)
     if args.dry_run:
         from pipeline.config import dump_config
+        from pipeline.consumers.megatron.plan import dry_run_plan
 
         print(dump_config(cfg))
+        print(dry_run_plan(cfg))  # raises, naming why, for a layout that cannot run or cannot fit
         return 0
     from pipeline.launch import run
+    from pipeline.metrics import check_metrics_config
 
+    check_metrics_config(cfg.metrics)  # before anything starts: a tool the recipe asks for must be installed
     return run(cfg)
 
 
@@ -253,6 +258,68 @@ def _eval_heldout(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from pipeline.export import export_run
+
+    res = export_run(Path(args.run_dir), Path(args.to), args.step)
+    out = {"folder": str(res.folder), "checkpoint": res.checkpoint.name, "step": res.step,
+           "policy_version": res.policy_version}
+    _print(args, out, lambda o: print(f"exported {o['checkpoint']} (step {o['step']}, policy version "
+                                      f"{o['policy_version']}) to {o['folder']}: an HF folder; "
+                                      "AutoModelForCausalLM.from_pretrained loads it"))
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from pipeline.plots import write_plots
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "metrics").is_dir() and not (run_dir / "eval").is_dir():
+        raise SluiceError(f"{run_dir} has no metrics/ or eval/ folder: not the folder of a `sluice run` (or it has not "
+                          "trained a step yet)")
+    out = {name: str(path) for name, path in write_plots(run_dir).items()}
+    _print(args, out, lambda o: print("\n".join(o.values())))
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import time
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from pipeline.launch import CONFIG_FILE, load_run_config
+    from pipeline.live import collect, panel
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / CONFIG_FILE).is_file():
+        raise SluiceError(f"{run_dir} has no {CONFIG_FILE}: not the folder of a `sluice run`")
+    total = load_run_config(run_dir).trainer.steps
+    handle = _open(args)
+    console = Console()
+    try:
+        if args.json:
+            print(json.dumps(collect(run_dir, handle.queue, total).to_json()))
+        elif not args.watch:
+            console.print(panel(collect(run_dir, handle.queue, total)))
+        else:
+            from rich.live import Live
+
+            with Live(panel(collect(run_dir, handle.queue, total)), console=console, auto_refresh=False) as live:
+                while True:
+                    time.sleep(1.0)
+                    live.update(panel(collect(run_dir, handle.queue, total)), refresh=True)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        handle.close(stop_server=True)
+    return 0
+
+
 def cmd_engine_serve(args: argparse.Namespace) -> int:
     from pipeline.producers.cpu_engine.__main__ import main as engine_main
 
@@ -290,6 +357,17 @@ def cmd_bench_rollout(args: argparse.Namespace) -> int:
     params = RolloutBenchParams(**{f.name: getattr(args, f.name) for f in fields(RolloutBenchParams)})
     res = run_rollout_bench(params)
     _print(args, res, lambda r: print(json.dumps(r, indent=1, default=str)))
+    return 0
+
+
+def cmd_bench_sync(args: argparse.Namespace) -> int:
+    from dataclasses import fields
+
+    from pipeline.benchmarks.sync import SyncBenchParams, run_sync_bench, summary_lines
+
+    params = SyncBenchParams(**{f.name: getattr(args, f.name) for f in fields(SyncBenchParams)})
+    res = run_sync_bench(params)
+    _print(args, res, lambda r: print("\n".join(summary_lines(r))))
     return 0
 
 
@@ -360,6 +438,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --heldout: also evaluate the run's Megatron checkpoints (converted to HF here)")
     p.set_defaults(func=cmd_eval)
 
+    p = sub.add_parser("export", help="a run's Megatron checkpoint as an HF safetensors folder (config, tokenizer)")
+    p.add_argument("--run-dir", required=True, help="the run folder")
+    p.add_argument("--step", type=int, help="the checkpoint of this trainer step (default: the newest)")
+    p.add_argument("--to", required=True, help="output folder (must not exist)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("status", help="the live view's panel for a run started elsewhere (Redis and metrics files)")
+    p.add_argument("--run-dir", required=True, help="the run folder")
+    p.add_argument("--redis", metavar="URL", help="the run's Redis, when it is not the folder's embedded one")
+    p.add_argument("--watch", action="store_true", help="refresh every second until Ctrl-C")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_status, run=None)
+
+    p = sub.add_parser("plot", help="PNG plots of a run, live or finished, into RUN_DIR/plots")
+    p.add_argument("--run-dir", required=True, help="the run folder")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_plot)
+
     p = sub.add_parser("engine", help="rollout engines").add_subparsers(dest="engine_cmd", required=True)
     p = p.add_parser("serve", help="the CPU engine (SGLang's HTTP protocol) for an HF model folder")
     p.add_argument("model_dir")
@@ -367,8 +464,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_engine_serve)
 
     p = sub.add_parser("model", help="local models").add_subparsers(dest="model_cmd", required=True)
-    p = p.add_parser("init-tiny", help="write a tiny Qwen3 / Qwen3-MoE model and tokenizer (no hub)")
-    p.add_argument("--arch", choices=["qwen3", "qwen3-moe"], default="qwen3-moe")
+    p = p.add_parser("init-tiny", help="write a tiny model (Qwen3, Qwen3-MoE, DeepSeek-V3) and tokenizer (no hub)")
+    p.add_argument("--arch", choices=TINY_ARCHS, default="qwen3-moe")
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="HF config override (repeatable)")
@@ -405,11 +502,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     _add_dataclass_args(p, "pipeline.benchmarks.rollout", "RolloutBenchParams")
     p.set_defaults(func=cmd_bench_rollout)
+    p = bsub.add_parser("sync", help="the weight push's GB/s against one bare broadcast of the same bytes")
+    p.add_argument("--json", action="store_true")
+    _add_dataclass_args(p, "pipeline.benchmarks.sync", "SyncBenchParams")
+    p.set_defaults(func=cmd_bench_sync)
     p = bsub.add_parser("pipeline", help="samples trained per second, async vs sync on one recipe, against the "
                                          "perfect-overlap bound")
     p.add_argument("--json", action="store_true")
     _add_dataclass_args(p, "pipeline.benchmarks.pipeline", "PipelineBenchParams")
     p.set_defaults(func=cmd_bench_pipeline)
+    p = bsub.add_parser("faults", help="SIGKILL parts of a live run at random moments; check nothing lost or "
+                                       "trained twice")
+    p.add_argument("--json", action="store_true")
+    _add_dataclass_args(p, "pipeline.benchmarks.faults", "FaultsBenchParams")
+    p.set_defaults(func=lambda a: __import__("pipeline.benchmarks.faults", fromlist=["cmd"]).cmd(a))
     return parser
 
 

@@ -12,17 +12,22 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from pipeline import plugins
 from pipeline.consumers.evaluator import EvaluatorConfig
 from pipeline.consumers.filters import FilterConfig
 from pipeline.consumers.heldout import HeldoutConfig
+from pipeline.consumers.hooks import HooksConfig
+from pipeline.consumers.megatron.plan import HardwareConfig
 from pipeline.consumers.sft_config import WarmStartConfig
 from pipeline.consumers.staleness import StalenessConfig
 from pipeline.consumers.train_config import TrainStepConfig
 from pipeline.errors import ConfigError
+from pipeline.metrics import MetricsConfig
+from pipeline.plugins import Signature
 from pipeline.producers.producer import ProducerConfig
-from pipeline.producers.prompts import PromptConfig
+from pipeline.producers.prompts import SYNTHETIC_TASKS, PromptConfig
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +52,10 @@ class QueueConfig(_Strict):
 
     redis_url: str | None = None
     """redis://, rediss:// (TLS) or unix:// URL of an external server; None starts an embedded one in the run folder."""
+    durability: Literal["standard", "safe"] = "standard"
+    """'safe': no acknowledged write is ever lost, even in a machine crash (the embedded server fsyncs its AOF
+    before each reply: appendfsync = 'always'; an external server is checked for it at start). 'standard': the
+    appendfsync below (docs/faults.md says what each promises)."""
     appendfsync: Literal["always", "everysec"] = "everysec"
     """AOF fsync policy of the embedded server: 'always' survives a machine crash, 'everysec' a process crash."""
     capacity: int = Field(1024, ge=1)
@@ -60,6 +69,41 @@ class QueueConfig(_Strict):
     """A pending entry idle this long belongs to a dead consumer and may be claimed."""
     archive: ArchiveConfig = ArchiveConfig()
     """The archive consumer."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _safe_means_always(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("durability") != "safe":
+            return data
+        if data.get("appendfsync", "always") != "always":
+            raise ValueError(f"queue.durability = 'safe' fsyncs every write (appendfsync = 'always'), but "
+                             f"queue.appendfsync = {data['appendfsync']!r}; drop one of the two")
+        return {**data, "appendfsync": "always"}
+
+    @field_validator("redis_url")
+    @classmethod
+    def _known_scheme(cls, url: str | None) -> str | None:
+        # The message names the scheme only: pydantic's own errors would echo the whole URL, password included.
+        if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
+            scheme = url.split(":", 1)[0] if ":" in url else "(none)"
+            raise ValueError(f"scheme {scheme!r} is not a Redis URL scheme; use redis://, rediss:// (TLS) or unix://")
+        return url
+
+
+class PluginsConfig(_Strict):
+    """Where user code comes from (``pipeline.plugins``; docs/plugins.md)."""
+
+    paths: list[Path] = []
+    """Folders user modules are imported from, relative to the working directory (made absolute when the recipe
+    loads). A plug-in whose module lies anywhere else, installed packages aside, is refused."""
+
+    @field_validator("paths")
+    @classmethod
+    def _folders(cls, paths: list[Path]) -> list[Path]:
+        missing = [str(p) for p in paths if not Path(p).is_dir()]
+        if missing:
+            raise ValueError(f"{', '.join(missing)}: not a folder; plugins.paths lists folders holding user modules")
+        return [Path(p).resolve() for p in paths]
 
 
 class RunConfig(_Strict):
@@ -78,23 +122,37 @@ class ModelSource(_Strict):
 
     path: Path | None = None
     """An HF model folder (config.json, safetensors, tokenizer). None: a tiny model is written into the run folder."""
-    init_tiny: Literal["qwen3", "qwen3-moe"] = "qwen3-moe"
-    """With path unset: the architecture of the tiny model sluice writes (CPU recipes)."""
+    init_tiny: Literal["qwen3", "qwen3-moe", "deepseek-v3"] = "qwen3-moe"
+    """With path unset: the architecture of the tiny model sluice writes (CPU recipes; pipeline.models.families)."""
     init_overrides: dict[str, int | float | bool | str] = {}
     """HF config overrides for the tiny model (e.g. num_hidden_layers = 4)."""
     init_seed: int = Field(0, ge=0)
     """Seed of the tiny model's initial weights."""
+    spec: str | None = None
+    """``package.module:function`` returning the megatron-core layer spec with user modules swapped in; called with a
+    ``pipeline.models.spec.SpecContext`` at every model build (docs/plugins.md, model specs). None: the family's."""
+    engine_patch: str | None = None
+    """``package.module:function`` called with the CPU engines' transformers model as it loads, giving it the modules
+    model.spec adds (and their weights, by their HF names); needed when the spec adds weights and engine.type = cpu."""
 
 
 class EngineConfig(_Strict):
     """Rollout engines."""
 
     type: Literal["cpu", "sglang"] = "cpu"
-    """cpu: sluice starts its CPU engines; sglang: connect to SGLang servers at urls."""
+    """cpu: sluice starts its CPU engines; sglang: SGLang servers, at urls or started by sluice (launch)."""
     count: int = Field(1, ge=1, le=1024)
-    """CPU engines to start."""
+    """Engines to start (CPU engines, or SGLang servers with launch = true)."""
     urls: list[str] = []
-    """Base URLs of running SGLang servers (type = sglang)."""
+    """Base URLs of running SGLang servers (type = sglang, launch = false)."""
+    launch: bool = False
+    """type = sglang: sluice starts `count` SGLang servers itself, each a supervised Ray process with
+    ray.engine's resources (GPUs), serving the run's model folder (the warm start's output when there is one)."""
+    launch_module: str = Field("sglang.launch_server", pattern=r"^[A-Za-z_][A-Za-z0-9_.]*$")
+    """The server's Python module, run as `python -m MODULE --host H --port P --model-path M --weight-version 0
+    [--enable-return-routed-experts] LAUNCH_ARGS`; any server with SGLang's command line and protocol may stand in."""
+    launch_args: list[str] = []
+    """Further server flags, e.g. ["--tp-size", "8", "--mem-fraction-static", "0.7"]."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the CPU engine (bfloat16 reproduces the rollout/train mismatch R3 removes)."""
     max_batch: int = Field(32, ge=1, le=4096)
@@ -116,6 +174,9 @@ class TrainerConfig(TrainStepConfig):
     """Tensor-parallel size."""
     ep: int = Field(1, ge=1)
     """Expert-parallel size."""
+    pp: int = Field(1, ge=1)
+    """Pipeline-parallel size. Only 1 runs: sluice's train step calls the model directly instead of driving
+    megatron's pipeline schedules, so every rank holds every layer (larger models spread over ep and tp)."""
     checkpoint_every: int = Field(5, ge=1)
     """Commit (checkpoint, ledger, acks) every this many steps."""
     keep_checkpoints: int = Field(2, ge=1)
@@ -125,6 +186,18 @@ class TrainerConfig(TrainStepConfig):
     overlap_push: bool = True
     """Push each step's weights in the background while the next batch is drained and trained (the version still
     advances only once every engine has them); false pushes before the next drain."""
+    profile_steps: tuple[int, int] | None = None
+    """[a, b]: run torch.profiler over trainer steps a..b (inclusive) and write a Chrome/Perfetto trace per rank to
+    RUN_DIR/profiles/ (open it at ui.perfetto.dev); None profiles nothing."""
+
+    @model_validator(mode="after")
+    def _profile_window(self) -> TrainerConfig:
+        if self.profile_steps is not None:
+            first, last = self.profile_steps
+            if not 1 <= first <= last:
+                raise ValueError(f"trainer.profile_steps = [{first}, {last}]: give [a, b] with 1 <= a <= b (trainer "
+                                 "steps count from 1), e.g. [10, 12]")
+        return self
 
 
 class SyncConfig(_Strict):
@@ -138,6 +211,11 @@ class SyncConfig(_Strict):
     """Port of the trainer's weight-group store; 0: the trainer binds one the OS picks and tells the engines."""
     timeout_s: float = Field(300.0, gt=0)
     """Timeout of the weight group's collectives."""
+    wire: Literal["flat", "tensors"] = "flat"
+    """flat: one broadcast per bucket (SGLang's load_format "flattened_bucket"); tensors: one per tensor."""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """Dtype the weights travel in. auto: the engines' own (their /model_info or /get_server_info, else the model's
+    config.json), so an fp32 trainer sends a bf16 engine half the bytes; the engine casts on load either way."""
 
 
 class EvalConfig(EvaluatorConfig):
@@ -218,6 +296,14 @@ class SluiceConfig(_Strict):
     """Supervised warm start (SFT) before RL; `sluice sft` runs it alone."""
     ray: RayConfig = RayConfig()
     """Placement and supervision of the run's processes on Ray."""
+    metrics: MetricsConfig = MetricsConfig()
+    """TensorBoard files (on by default) and Weights & Biases (when asked for) beside the JSONL metrics."""
+    hardware: HardwareConfig = HardwareConfig()
+    """What a GPU recipe expects to run on; `--dry-run` plans one trainer rank's memory against it."""
+    plugins: PluginsConfig = PluginsConfig()
+    """Where user modules (rewards, rollouts, losses, filters, hooks, model specs) are imported from."""
+    hooks: HooksConfig = HooksConfig()
+    """User functions the trainer calls with each step's metrics, after each step and after each commit."""
 
     @model_validator(mode="before")
     @classmethod
@@ -236,10 +322,15 @@ class SluiceConfig(_Strict):
     @model_validator(mode="after")
     def _cross_checks(self) -> SluiceConfig:
         problems = []
-        if self.engine.type == "sglang" and not self.engine.urls:
-            problems.append("engine.type = 'sglang' needs engine.urls (base URLs of running SGLang servers)")
+        if self.engine.type == "sglang" and not self.engine.urls and not self.engine.launch:
+            problems.append("engine.type = 'sglang' needs engine.urls (base URLs of running SGLang servers), or "
+                            "engine.launch = true for sluice to start them")
+        if self.engine.launch and self.engine.urls:
+            problems.append("engine.launch = true starts the servers, engine.urls names running ones; give one")
         if self.engine.type == "cpu" and self.engine.urls:
             problems.append("engine.urls is only read with engine.type = 'sglang'; remove it or switch the type")
+        if self.engine.type == "cpu" and self.engine.launch:
+            problems.append("engine.launch is for engine.type = 'sglang' (CPU engines are always started by sluice)")
         if self.trainer.r3 and not self.producer.return_routed_experts:
             problems.append("trainer.r3 replays routing the engines record; set producer.return_routed_experts = "
                             "true, or trainer.r3 = false")
@@ -249,24 +340,88 @@ class SluiceConfig(_Strict):
         if self.filters.zero_variance and self.producer.group_size == 1:
             problems.append("filters.zero_variance with producer.group_size = 1 drops every group (one reward has no "
                             "variance) and the trainer would wait forever; raise group_size or turn the filter off")
+        if self.trainer.pp > 1:
+            problems.append(f"trainer.pp={self.trainer.pp}: pipeline parallelism is refused, because sluice's train "
+                            "step runs each micro-batch's forward and backward itself rather than megatron's "
+                            "pipeline schedules, which PP needs; spread the model with trainer.ep and trainer.tp")
         dp = self.trainer.world_size // max(self.trainer.tp, 1)
         if self.trainer.world_size % self.trainer.tp:
             problems.append(f"trainer.world_size={self.trainer.world_size} is not divisible by tp={self.trainer.tp}")
         elif self.trainer.batch_groups % dp:
             problems.append(f"trainer.batch_groups={self.trainer.batch_groups} must be a multiple of the "
                             f"data-parallel size {dp}, so every rank gets the same number of groups")
+        if self.trainer.world_size % self.trainer.ep:
+            # Checked here rather than when the trainer builds its model: by then the run has started every process.
+            problems.append(f"trainer.ep={self.trainer.ep} must divide trainer.world_size={self.trainer.world_size} "
+                            "(expert-parallel ranks are drawn from the trainer's ranks)")
+        problems += self._prompt_problems()
         if self.ray.address is not None and self.queue.redis_url is None:
             problems.append("ray.address puts the run on a Ray cluster, but the embedded Redis listens on this "
                             "machine's loopback only; start a redis-server the nodes can reach and set "
                             "queue.redis_url")
         problems += self._heldout_problems()
-        if self.warmstart.enabled and self.engine.type == "sglang":
+        problems += self._plugin_problems()
+        if self.warmstart.enabled and self.engine.type == "sglang" and not self.engine.launch:
             problems.append("warmstart.enabled with engine.type = 'sglang': SGLang servers serve the weights they were "
                             "started with, not the warm-started ones; run `sluice sft` first, start SGLang on "
-                            "RUN_DIR/warmstart/model, and set model.path to it with warmstart.enabled = false")
+                            "RUN_DIR/warmstart/model, and set model.path to it with warmstart.enabled = false (or "
+                            "let sluice start them after the warm start: engine.launch = true)")
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+    def _prompt_problems(self) -> list[str]:
+        """Sizes a synthetic task cannot meet, found before anything starts rather than by a producer that crashes
+        at start-up until its restart budget runs out."""
+        p = self.prompts
+        if p.type != "synthetic":
+            return []
+        task = SYNTHETIC_TASKS.get(p.task)
+        if task is None:
+            return [f"prompts.task = {p.task!r} is not a synthetic task; choose one of {sorted(SYNTHETIC_TASKS)}"]
+        if p.size + p.heldout <= task.space(p.digits):
+            return []
+        return [f"prompts.size + prompts.heldout = {p.size + p.heldout} is more than the {task.space(p.digits)} "
+                f"distinct prompts of synthetic task {p.task!r} with digits={p.digits}; lower them or raise "
+                "prompts.digits"]
+
+    def plugin_refs(self) -> list[tuple[str, str, Signature]]:
+        """Every user plug-in the recipe names: (field, import path, the call sluice makes)."""
+        from pipeline.consumers.filters import FILTER_SIGNATURE
+        from pipeline.models.spec import ENGINE_PATCH_SIGNATURE, SPEC_SIGNATURE
+        from pipeline.producers.rewards import BUILTIN_REWARDS, GROUP_REWARD_SIGNATURE, REWARD_SIGNATURE
+        from pipeline.producers.rollout import BUILTIN_ROLLOUT, ROLLOUT_SIGNATURE
+
+        refs: list[tuple[str, str, Signature]] = []
+        if self.producer.reward not in BUILTIN_REWARDS:
+            refs.append(("producer.reward", self.producer.reward, REWARD_SIGNATURE))
+        if self.producer.group_reward is not None:
+            refs.append(("producer.group_reward", self.producer.group_reward, GROUP_REWARD_SIGNATURE))
+        if self.producer.rollout != BUILTIN_ROLLOUT:
+            refs.append(("producer.rollout", self.producer.rollout, ROLLOUT_SIGNATURE))
+        refs += [(f"filters.user[{i}]", ref, FILTER_SIGNATURE) for i, ref in enumerate(self.filters.user)]
+        refs += self.hooks.refs()
+        refs += self.trainer.loss.plugin_refs("trainer.loss")
+        if self.model.spec is not None:
+            refs.append(("model.spec", self.model.spec, SPEC_SIGNATURE))
+        if self.model.engine_patch is not None:
+            refs.append(("model.engine_patch", self.model.engine_patch, ENGINE_PATCH_SIGNATURE))
+        return refs
+
+    def _plugin_problems(self) -> list[str]:
+        """Each plug-in imported and its signature checked now, so that a typo fails before anything starts."""
+        plugins.activate(self.plugins.paths)
+        problems = []
+        for field, ref, signature in self.plugin_refs():
+            try:
+                plugins.resolve(ref, field=field, signature=signature)
+            except ConfigError as e:
+                problems.append(str(e))
+        return problems
+
+    def plugin_records(self) -> list[dict[str, str | None]]:
+        """Each plug-in's import path, source file and SHA-256 (what ``RUN_DIR/plugins.json`` holds)."""
+        return [plugins.record(ref, field=field).as_dict() for field, ref, _ in self.plugin_refs()]
 
     def _heldout_problems(self) -> list[str]:
         held = self.eval.heldout
@@ -328,5 +483,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raise ConfigError(f"invalid recipe{f' {path}' if path else ''}:\n" + "\n".join(lines)) from None
 
 
+def public_dict(cfg: SluiceConfig) -> dict[str, Any]:
+    """The resolved config as plain data with every credential redacted: what may be printed or written to a run's
+    files (``--dry-run``, ``RUN_DIR/config.json``). The run's processes get the secret another way
+    (``pipeline.queue.credentials``)."""
+    from pipeline.queue.credentials import public_url
+
+    data = cfg.model_dump(mode="json")
+    data["queue"]["redis_url"] = public_url(cfg.queue.redis_url)
+    return data
+
+
 def dump_config(cfg: SluiceConfig) -> str:
-    return json.dumps(cfg.model_dump(mode="json"), indent=2)
+    """``--dry-run``'s output: the resolved config, credentials redacted."""
+    return json.dumps(public_dict(cfg), indent=2)

@@ -13,6 +13,7 @@ the group was killed) when it is done.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import select
 import signal
@@ -21,6 +22,8 @@ import sys
 import threading
 from pathlib import Path
 from types import FrameType
+
+import psutil
 
 HOST_DIED = 137
 
@@ -31,11 +34,37 @@ def _write(path: Path, text: str) -> None:
     partial.rename(path)
 
 
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _become_subreaper() -> None:
+    """Orphans among CMD's descendants are re-parented to the reaper instead of init, so they stay findable."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: the process group is all the reaper can reach
+
+
 def _kill_group(pid: int) -> None:
+    """SIGKILL CMD's process group and every other descendant of the reaper.
+
+    The group alone is not enough: Ray's raylet starts its workers in sessions of their own, and a worker whose
+    raylet died can take minutes to notice (a ``ray::ProcessHost`` outlived its stopped run under load). As a
+    subreaper the reaper is an ancestor of all of them, even of those whose parent already exited.
+    """
+    try:
+        descendants = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        descendants = []
     try:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+    for p in descendants:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
 
 
 def _watch(host_pid: int, on_death: threading.Event) -> None:
@@ -56,6 +85,7 @@ def main(argv: list[str]) -> int:
     if os.fork() > 0:
         os._exit(0)  # the host waits for this one only; the reaper lives on, adopted away from the host
     os.setsid()
+    _become_subreaper()
     state.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # a Ray worker may ignore SIGINT, and children inherit that
     child = subprocess.Popen(cmd, start_new_session=True)
@@ -73,16 +103,18 @@ def main(argv: list[str]) -> int:
     host_gone = threading.Event()
     threading.Thread(target=_watch, args=(host_pid, host_gone), daemon=True).start()
     _write(state / "reaper.pid", str(os.getpid()))
+    # Wait on a pidfd, not Popen.wait(timeout): that polls waitpid every few milliseconds, and a run has a reaper per
+    # process, all on the cores the run itself needs.
+    child_fd = os.pidfd_open(child.pid)
     while True:
-        try:
-            code = child.wait(timeout=0.2)
+        if select.select([child_fd], [], [], 0.5)[0]:
+            code = child.wait()
             break
-        except subprocess.TimeoutExpired:
-            if host_gone.is_set() or done.is_set():
-                _kill_group(child.pid)
-                child.wait()
-                _write(state / "exit", str(HOST_DIED))
-                return HOST_DIED
+        if host_gone.is_set() or done.is_set():
+            _kill_group(child.pid)
+            child.wait()
+            _write(state / "exit", str(HOST_DIED))
+            return HOST_DIED
     _kill_group(child.pid)  # what the process started and left behind
     code = code if code >= 0 else 128 - code
     _write(state / "exit", str(code))

@@ -24,12 +24,17 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import redis
 
 from pipeline.cluster import ProcessSpec, RestartBudget, check_resources
-from pipeline.config import RoleResources, SluiceConfig
+from pipeline.config import RoleResources, SluiceConfig, public_dict
 from pipeline.consumers.sft_config import format_summary, read_done, warmstart_dir, warmstart_model_dir
 from pipeline.errors import EngineError, SluiceError
-from pipeline.launch_control import Interrupted, RunLock, RunLockedError, StopRequest
+from pipeline.launch_control import Interrupted, RedisWatch, RunLock, RunLockedError, StopRequest
+from pipeline.live import LiveView
+from pipeline.models.spec import engine_patch_args
+from pipeline.queue.connection import check_fsync_always, has_secret, redact_url
+from pipeline.queue.credentials import ENV_URL, remove_secret_url, resolve_url, write_secret_url
 from pipeline.queue.rundir import RunHandle, open_run
 from pipeline.report import format_curve, format_heldout, learning_curve
 from pipeline.supervisor import Supervisor
@@ -40,6 +45,7 @@ __all__ = ["RunLock", "RunLockedError", "run", "prepare_run", "model_folder", "b
 log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
+PLUGINS_FILE = "plugins.json"
 # How long the orderly stop waits for the trainer ranks' last step, push and commit (a checkpoint save) before it
 # kills them; the data is safe either way (the entries stay pending), only the uncommitted steps are redone.
 TRAINER_STOP_S = 120.0
@@ -59,7 +65,12 @@ def prepare_run(cfg: SluiceConfig, handle: RunHandle | None = None) -> tuple[Run
     run_dir = Path(cfg.run.run_dir)
     handle = handle or open_run_folder(cfg)
     ensure_base_model(cfg)
-    (run_dir / CONFIG_FILE).write_text(json.dumps(cfg.model_dump(mode="json"), indent=1))
+    # Credentials redacted: the run's processes read the secret from the launcher's private file instead.
+    (run_dir / CONFIG_FILE).write_text(json.dumps(public_dict(cfg), indent=1))
+    # What user code the run executes, down to the byte: a result can be traced to the plug-ins that made it.
+    (run_dir / PLUGINS_FILE).write_text(json.dumps(cfg.plugin_records(), indent=1) + "\n")
+    if has_secret(handle.url):
+        write_secret_url(run_dir, handle.url)
     for name in ("trainer", *(["archive"] if cfg.queue.archive.enabled else []),
                  *([cfg.eval.group] if cfg.eval.enabled else [])):
         handle.queue.create_group(name, "0")
@@ -98,11 +109,20 @@ def model_folder(cfg: SluiceConfig) -> Path:
 
 
 def load_run_config(run_dir: Path) -> SluiceConfig:
-    return SluiceConfig.model_validate(json.loads((run_dir / CONFIG_FILE).read_text()))
+    """The run's resolved config, as its processes use it: a redacted Redis URL is replaced by the real one
+    (``pipeline.queue.credentials.resolve_url``)."""
+    cfg = SluiceConfig.model_validate(json.loads((run_dir / CONFIG_FILE).read_text()))
+    url = resolve_url(run_dir, cfg.queue.redis_url)
+    if url != cfg.queue.redis_url:
+        cfg.queue.redis_url = url
+    return cfg
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k.startswith(_PASSED_ENV_PREFIXES) or k in _PASSED_ENV}
+    # The Redis URL stays behind: it may hold a password, and a spec's environment travels through Ray. The
+    # processes read it from the launcher's private file (pipeline.queue.credentials).
+    env = {k: v for k, v in os.environ.items()
+           if (k.startswith(_PASSED_ENV_PREFIXES) or k in _PASSED_ENV) and k != ENV_URL}
     env.setdefault("OMP_NUM_THREADS", "1")
     env.update(extra)
     return env
@@ -118,10 +138,14 @@ def _spec(cfg: SluiceConfig, role: str, name: str, args: list[str], *, env: dict
                        cwd=os.getcwd())
 
 
+def _starts_engines(cfg: SluiceConfig) -> bool:
+    return cfg.engine.type == "cpu" or cfg.engine.launch
+
+
 def _cpus_needed(cfg: SluiceConfig) -> float:
     """What the run's processes reserve in all: the CPUs a private instance offers (the OS shares the cores)."""
     r = cfg.ray
-    total = (cfg.engine.count * r.engine.num_cpus * (cfg.engine.type == "cpu") + cfg.producers * r.producer.num_cpus
+    total = (cfg.engine.count * r.engine.num_cpus * _starts_engines(cfg) + cfg.producers * r.producer.num_cpus
              + cfg.trainer.world_size * r.trainer.num_cpus + r.evaluator.num_cpus + r.archiver.num_cpus
              + r.trainer.num_cpus)  # the warm start, whose exit overlaps the engines' start
     return float(max(math.ceil(total), os.cpu_count() or 1))
@@ -183,21 +207,12 @@ def start_engines(cfg: SluiceConfig, sup: Supervisor, model_dir: Path, run_dir: 
     ``hold``: they serve nothing until the trainer's first push (a resumed run's trainer pushes its weights at once;
     until then the engines hold only the starting model's). A restarted engine always holds.
     """
-    if cfg.engine.type == "sglang":
+    if cfg.engine.type == "sglang" and not cfg.engine.launch:
         wait_healthy(list(cfg.engine.urls), cfg.engine.startup_timeout_s, pause)
         return list(cfg.engine.urls)
-    specs = []
-    for i in range(cfg.engine.count):
-        port_file = run_dir / "logs" / f".engine-{i}.port"
-        args = [str(model_dir.resolve()), "--host", "{node_ip}", "--port", "0", "--port-file", str(port_file),
-                "--dtype", cfg.engine.dtype, "--max-batch", str(cfg.engine.max_batch), "--seed", str(cfg.run.seed + i),
-                "--log-level", "warning"]
-        if cfg.producer.return_routed_experts:
-            args.append("--enable-return-routed-experts")
-        if hold:
-            args.append("--hold-until-update")
-        specs.append(_spec(cfg, "engine", f"engine-{i}", args, port_file=port_file,
-                           module="pipeline.producers.cpu_engine"))
+    managed = cfg.engine.type == "sglang"
+    specs = [(_sglang_spec if managed else _cpu_engine_spec)(cfg, i, model_dir, run_dir, hold)
+             for i in range(cfg.engine.count)]
     infos = sup.start(specs, stop_last=True)
     urls = [_url(info) for info in infos]
     for i, info in enumerate(infos):
@@ -205,14 +220,45 @@ def start_engines(cfg: SluiceConfig, sup: Supervisor, model_dir: Path, run_dir: 
         # A restart binds the port it had, wherever it lands: on the same node its URL then stays what producers and
         # the trainer know. Only on another node (its node was lost) does the URL change.
         # And it serves nothing before the trainer's next push has re-synced it.
+        # (An SGLang server has no such hold: a restarted one serves its starting weights, labelled version 0,
+        # until the push re-syncs it, and the staleness policy drops what it makes meanwhile.)
         cmd = [str(info["port"]) if a == "0" and child.process.spec.cmd[j - 1] == "--port" else a
                for j, a in enumerate(child.process.spec.cmd)]
-        if "--hold-until-update" not in cmd:
+        if not managed and "--hold-until-update" not in cmd:
             cmd.append("--hold-until-update")
         child.process.spec = dataclasses.replace(child.process.spec, cmd=cmd)
         child.on_restart = lambda new, i=i: _engine_restarted(sup, run_dir, i, _url(new))
     wait_healthy(urls, cfg.engine.startup_timeout_s, pause)
     return urls
+
+
+def _cpu_engine_spec(cfg: SluiceConfig, i: int, model_dir: Path, run_dir: Path, hold: bool) -> ProcessSpec:
+    port_file = run_dir / "logs" / f".engine-{i}.port"
+    args = [str(model_dir.resolve()), "--host", "{node_ip}", "--port", "0", "--port-file", str(port_file),
+            "--dtype", cfg.engine.dtype, "--max-batch", str(cfg.engine.max_batch), "--seed", str(cfg.run.seed + i),
+            "--log-level", "warning"]
+    if cfg.producer.return_routed_experts:
+        args.append("--enable-return-routed-experts")
+    if hold:
+        args.append("--hold-until-update")
+    args += engine_patch_args(cfg.model.engine_patch, cfg.plugins.paths)
+    return _spec(cfg, "engine", f"engine-{i}", args, port_file=port_file, module="pipeline.producers.cpu_engine")
+
+
+def _sglang_spec(cfg: SluiceConfig, i: int, model_dir: Path, run_dir: Path, hold: bool) -> ProcessSpec:
+    """A managed SGLang server (``engine.launch``): its node picks the port (``pipeline.producers.sglang_launch``).
+
+    It starts labelled version 0, an integer (SGLang's own default label is "default", which no sample may carry);
+    adoption then relabels or re-syncs it like any engine. ``hold`` has no SGLang counterpart: a resumed run's
+    trainer pushes its weights first thing, and samples made before that are stale and dropped.
+    """
+    port_file = run_dir / "logs" / f".engine-{i}.port"
+    server = ["--model-path", str(model_dir.resolve()), "--weight-version", "0"]
+    if cfg.producer.return_routed_experts:
+        server.append("--enable-return-routed-experts")
+    args = ["--module", cfg.engine.launch_module, "--host", "{node_ip}", "--port", "0", "--port-file", str(port_file),
+            "--", *server, *cfg.engine.launch_args]
+    return _spec(cfg, "engine", f"engine-{i}", args, port_file=port_file, module="pipeline.producers.sglang_launch")
 
 
 def _url(info: dict[str, Any]) -> str:
@@ -280,7 +326,7 @@ def _check_resources(cfg: SluiceConfig) -> None:
     from pipeline.ray_runtime import cluster_resources
 
     offered = cluster_resources()
-    roles = ["trainer", "producer", *(["engine"] if cfg.engine.type == "cpu" else []),
+    roles = ["trainer", "producer", *(["engine"] if _starts_engines(cfg) else []),
              *(["evaluator"] if cfg.eval.enabled or cfg.eval.heldout.enabled and cfg.eval.heldout.live else []),
              *(["archiver"] if cfg.queue.archive.enabled else [])]
     for role in roles:
@@ -309,11 +355,14 @@ def run(cfg: SluiceConfig) -> int:
         except BaseException:
             handle.close(stop_server=True)  # stops the embedded Redis only if this launcher started it
             raise
+        if handle.server is not None:
+            handle.server.adopt()  # the run's embedded Redis is the live launcher's, even one a killed launcher left
         head: PrivateHead | None = None
         try:
             if cfg.ray.address is None:  # it starts while the run folder is prepared
                 head = start_private_head(run_dir, num_cpus=_cpus_needed(cfg), dashboard=cfg.ray.dashboard)
             _, model_dir = prepare_run(cfg, handle)
+            _check_durability(cfg, handle)
             stop.pause(0)
             with connected(run_dir, head if head is not None else str(cfg.ray.address)) as ray_instance:
                 head = None  # stopped by ``connected`` from here on
@@ -329,6 +378,9 @@ def run(cfg: SluiceConfig) -> int:
                     if cfg.eval.heldout.enabled and cfg.eval.heldout.live:
                         _wait_for_heldout(sup, run_dir, cfg.eval.heldout.final_wait_s, stop.pause)
                         print(format_heldout(run_dir / "eval" / "metrics.jsonl"))
+                    from pipeline.plots import write_plots  # matplotlib: only now
+
+                    print(f"plots: {', '.join(str(p) for p in write_plots(run_dir).values())}")
                     print(f"run folder: {run_dir}  (sluice queue audit --run-dir {run_dir})")
                     return 0
                 finally:
@@ -344,6 +396,7 @@ def run(cfg: SluiceConfig) -> int:
             if head is not None:
                 head.stop()  # stopped before it was ever connected to
             lock.release()
+            remove_secret_url(run_dir)  # no credential stays in the folder once its processes are gone
             handle.close(stop_server=True)  # the embedded Redis flushes its AOF and exits
             if stop.signum is not None:
                 print(_stopped_summary(run_dir, stop), flush=True)
@@ -365,6 +418,12 @@ def _start_children(cfg: SluiceConfig, sup: Supervisor, handle: RunHandle, model
     resuming = latest_checkpoint(run_dir / "checkpoints") is not None or handle.queue.policy_version() > 0
     urls = start_engines(cfg, sup, model_dir, run_dir, pause, hold=resuming)
     (run_dir / "engines.json").write_text(json.dumps(urls))
+    # Weight push (issue 9): engines sluice did not start may hold another run's weights or SGLang's "default" label;
+    # settle that before any producer samples from them (pipeline.sync.lifecycle).
+    from pipeline.producers.sglang_client import adopt_engine_urls
+
+    adopt_engine_urls(urls, version=handle.queue.policy_version(), fresh=not resuming,
+                      model_path=str(model_dir.resolve()))
     pause(0)
     sup.start([_spec(cfg, "producer", f"producer-{i}", ["producer", str(run_dir), f"producer-{i}"])
                for i in range(cfg.producers)])
@@ -379,27 +438,77 @@ def _start_children(cfg: SluiceConfig, sup: Supervisor, handle: RunHandle, model
     return placement
 
 
+# Each tick asks every process's Ray host for its state (an actor call each, in the launcher and in the hosts), which
+# at 2 Hz cost about a tenth of a core on the cores the run trains on; once a second still restarts a crash within the
+# second and refreshes the live panel as often, and a stop signal ends the pause at once.
+_SUPERVISE_TICK_S = 1.0
+
+
 def _supervise(cfg: SluiceConfig, sup: Supervisor, handle: RunHandle, placement: Any,
                pause: Callable[[float], None]) -> None:
     """Restart what dies and trim the stream until every trainer rank has finished its steps."""
     run_dir = Path(cfg.run.run_dir)
     trainers = {f"trainer-{r}" for r in range(cfg.trainer.world_size)}
     budget = RestartBudget(cfg.ray.restart_limit, cfg.ray.restart_window_s)
+    redis_watch = _redis_watch(cfg, sup, handle)
     finished: set[str] = set()
-    last_trim = last_report = time.monotonic()
-    while not trainers <= finished:
-        finished.update(sup.poll())
-        if _trainer_group_failed(sup, trainers):
-            _restart_trainer_group(cfg, sup, trainers, budget, placement, pause)
-            finished -= trainers
-        now = time.monotonic()
-        if now - last_trim > 10:
-            handle.queue.trim()  # drops only what every group has acked
-            last_trim = now
-        if now - last_report > 10:
-            _progress(run_dir)
-            last_report = now
-        pause(0.5)
+    last_trim = time.monotonic()
+    with LiveView(run_dir, handle.queue, cfg.trainer.steps) as progress:  # a panel on a terminal, else a line
+        while not trainers <= finished:
+            if redis_watch is not None:
+                redis_watch.check(pause)
+            finished.update(sup.poll())
+            if _trainer_group_failed(sup, trainers):
+                _restart_trainer_group(cfg, sup, trainers, budget, placement, pause)
+                finished -= trainers
+            now = time.monotonic()
+            if now - last_trim > 10:
+                try:
+                    handle.queue.trim()  # drops only what every group has acked
+                except redis.ConnectionError as e:  # the embedded Redis died this moment: watched above, trimmed later
+                    log.warning("could not trim the stream (%s); trying again in 10 s", e)
+                last_trim = now
+            progress.tick()
+            pause(_SUPERVISE_TICK_S)
+
+
+def _redis_watch(cfg: SluiceConfig, sup: Supervisor, handle: RunHandle) -> RedisWatch | None:
+    """The embedded Redis's watch (an external server is its owner's to keep up)."""
+    if handle.server is None:
+        return None
+
+    def restart_producers() -> None:
+        for name in sorted(n for n in sup.children if n.startswith("producer-")):
+            sup.children[name].process.discard()  # the supervisor restarts it at its next poll
+
+    # No backoff: every process waits on the server, and its clients give up after about 15 s of tries.
+    return RedisWatch(handle.server, RestartBudget(cfg.ray.restart_limit, cfg.ray.restart_window_s, backoff_s=0.0),
+                      on_restart=restart_producers)
+
+
+def _check_durability(cfg: SluiceConfig, handle: RunHandle) -> None:
+    """queue.durability = 'safe' on an external server: it must fsync its AOF before every reply."""
+    if cfg.queue.durability != "safe" or handle.server is not None:
+        return
+    if not check_fsync_always(handle.queue.redis, handle.url):
+        log.warning("queue.durability = 'safe': the Redis server at %s does not let this user read its config, so "
+                    "sluice cannot check that it runs with appendonly yes and appendfsync always; make sure it does",
+                    redact_url(handle.url))
+
+
+CONFIG_EXIT_CODE = 3
+"""Exit code of a run's process that raised ConfigError: restarting cannot help, so the launcher stops the run."""
+REFUSED = "refused the run's config:"
+"""What such a process logs before the error's message (the launcher quotes the message from the log)."""
+
+
+def _refusal(log_path: str | Path) -> str:
+    try:
+        lines = Path(log_path).read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    found = [line.split(REFUSED, 1)[1].strip() for line in lines if REFUSED in line]
+    return found[-1] if found else ""
 
 
 def _trainer_group_failed(sup: Supervisor, trainers: set[str]) -> bool:
@@ -412,6 +521,11 @@ def _restart_trainer_group(cfg: SluiceConfig, sup: Supervisor, trainers: set[str
     killed at once and the whole group starts again from the last checkpoint, after the budget's backoff."""
     failed = sorted(n for n in trainers if sup.exit_code(n) not in (None, 0))
     log_path = sup.children[failed[0]].log_path
+    refused = [n for n in failed if sup.exit_code(n) == CONFIG_EXIT_CODE]
+    if refused:
+        refused_log = sup.children[refused[0]].log_path
+        raise SluiceError(f"{refused[0]} {REFUSED} {_refusal(refused_log) or '(no message)'} (not restarted: only a "
+                          f"change of the recipe fixes this; log: {refused_log})")
     up_since = min(sup.children[n].process.up_since for n in trainers)
     try:
         delay = budget.next_delay(time.monotonic(), up_since)
@@ -455,12 +569,3 @@ def _wait_for_heldout(sup: Supervisor, run_dir: Path, timeout_s: float,
         sup.poll()
         pause(0.5)
 
-
-def _progress(run_dir: Path) -> None:
-    path = run_dir / "metrics" / "trainer.jsonl"
-    if path.exists():
-        lines = path.read_text().splitlines()
-        if lines:
-            d = json.loads(lines[-1])
-            print(f"step {d['step']}: policy version {d['policy_version']}, reward {d['reward_mean']:.3f}, "
-                  f"lag max {d['lag_max']}", flush=True)

@@ -1,4 +1,5 @@
-"""The launcher's stop request (SIGINT, SIGTERM, SIGHUP) and its run lock in Redis (docs/launcher.md)."""
+"""The launcher's stop request (SIGINT, SIGTERM, SIGHUP), its run lock in Redis (docs/launcher.md), and its watch over
+the embedded Redis (docs/faults.md)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ from typing import Any
 
 import redis
 
+from pipeline.cluster import RestartBudget
 from pipeline.errors import SluiceError
+from pipeline.queue.redis_server import EmbeddedRedis
 
 log = logging.getLogger(__name__)
 
@@ -185,3 +188,41 @@ def _holder_message(held: bytes | str, ttl_ms: int, what: str, ttl_s: float) -> 
             f"Stop that launcher first (Ctrl-C in its terminal, or `kill -TERM {pid}` on {host}), then run this "
             f"command again; if that launcher was killed, its lock lapses {ttl_s:.0f} s after its last renewal "
             f"(in at most {max(ttl_ms, 0) / 1000:.0f} s).")
+
+
+@dataclass
+class RedisWatch:
+    """The run's embedded Redis under its launcher: one that died (a crash, an OOM kill, a SIGKILL) is started again
+    on its AOF at the port it had, so that every process's client reconnects through its retry (about 15 s of
+    tries, ``pipeline.queue.connection.DEFAULT_RETRY``), under a restart budget like any process's.
+
+    After a restart ``on_restart`` runs: the launcher restarts the producers, each of which then hands back the
+    prompts its in-flight hash in Redis still records. That covers a put the server acknowledged but lost before
+    its AOF held it (docs/faults.md, "Durability"): its record is still in flight, and nothing else would ever hand
+    it back while the producer lives.
+    """
+
+    server: EmbeddedRedis
+    budget: RestartBudget
+    on_restart: Callable[[], None] = lambda: None
+    restarts: int = 0
+
+    def check(self, pause: Callable[[float], None]) -> None:
+        """Restart the server if it died; raises SluiceError once the budget is spent."""
+        if self.server.alive():
+            return
+        log_path = self.server.folder / "redis.log"
+        try:
+            delay = self.budget.next_delay(time.monotonic(), self.server.up_since)
+        except SluiceError as e:
+            raise SluiceError(f"the run's embedded Redis died again: {e}; see {log_path}") from None
+        log.warning("the embedded Redis (port %s) died; restarting it on its AOF in %.1f s (log: %s)",
+                    self.server.port, delay, log_path)
+        pause(delay)
+        started = time.monotonic()
+        self.server.restart()
+        self.restarts += 1
+        log.warning("the embedded Redis is back on port %s after %.1f s (pid %s); restarting the producers so that "
+                    "each hands back what it had in flight", self.server.port, time.monotonic() - started,
+                    self.server.pid)
+        self.on_restart()

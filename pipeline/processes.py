@@ -16,18 +16,21 @@ import sys
 import threading
 from pathlib import Path
 
-from pipeline.launch import base_model_folder, load_run_config, model_folder
+from pipeline.errors import ConfigError
+from pipeline.launch import CONFIG_EXIT_CODE, REFUSED, base_model_folder, load_run_config, model_folder
 
 log = logging.getLogger("sluice")
 
 
 def producer_main(run_dir: Path, name: str) -> None:
     """One producer: prompts -> engines -> rewards -> queue, until SIGTERM."""
-    from pipeline.producers.producer import PacingConfig, ProducerSpec, serve_producer
+    from pipeline.producers.producer import PacingConfig, ProducerSpec, open_producer
+    from pipeline.producers.reporting import ProducerReporter
     from pipeline.queue.rundir import open_run
 
     cfg = load_run_config(run_dir)
-    handle = open_run(run_dir=run_dir, redis_url=cfg.queue.redis_url)  # the embedded Redis's URL, when it is one
+    # The embedded Redis's URL, when it is one (the launcher's server: never started here).
+    handle = open_run(run_dir=run_dir, redis_url=cfg.queue.redis_url, start_server=False)
     handle.close()
     spec = ProducerSpec(
         name=name, run=handle.run, redis_url=handle.url, engine_urls=json.loads((run_dir / "engines.json").read_text()),
@@ -41,7 +44,18 @@ def producer_main(run_dir: Path, name: str) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        stats = await serve_producer(spec, stop=stop)
+        async with open_producer(spec) as producer:
+            reporter = ProducerReporter(producer, run_dir, cfg.metrics, cfg.run.name)
+            reported = asyncio.Event()
+            reporting = asyncio.create_task(reporter.run(reported))
+            try:
+                stats = await producer.run(stop=stop)
+            except BaseException:
+                reporting.cancel()
+                await asyncio.gather(reporting, return_exceptions=True)
+                raise
+            reported.set()
+            await reporting
         log.info("producer %s stopped: %s", name, stats)
 
     asyncio.run(main())
@@ -95,7 +109,7 @@ def archiver_main(run_dir: Path) -> None:
     from pipeline.queue.rundir import open_run
 
     cfg = load_run_config(run_dir)
-    handle = open_run(run_dir=run_dir, redis_url=cfg.queue.redis_url)
+    handle = open_run(run_dir=run_dir, redis_url=cfg.queue.redis_url, start_server=False)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -129,6 +143,12 @@ def main(argv: list[str] | None = None) -> int:
         ROLES[role](run_dir, *rest)  # type: ignore[operator]
     except KeyboardInterrupt:
         return 0
+    except ConfigError as e:
+        # Only a change of the recipe can fix this (a model.spec whose weights the engines cannot take, say), so a
+        # distinct exit code tells the launcher to stop the run with the message rather than restart into it again.
+        log.exception("%s %s %s", role, REFUSED, e)
+        logging.shutdown()
+        return CONFIG_EXIT_CODE
     except Exception:
         log.exception("%s crashed", role)
         logging.shutdown()

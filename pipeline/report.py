@@ -6,19 +6,55 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from statistics import mean
+from typing import Any
 
 BAR = 40
 
 
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The lines of a metrics file; a line cut short by a writer killed mid-write (the last one) is skipped."""
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+def trainer_rows(metrics_path: Path) -> list[dict[str, Any]]:
+    """The trainer's lines by step, oldest first; a step redone after a restart: the last line counts."""
+    rows = {int(d["step"]): d for d in read_jsonl(metrics_path) if "step" in d}
+    return [rows[s] for s in sorted(rows)]
+
+
+def step_rates(rows: list[dict[str, Any]], window: int = 1) -> list[dict[str, float]]:
+    """Per step (from the second line on), over the last ``window`` steps: samples/s and tokens/s trained, and the
+    trainer's idle fraction.
+
+    A step's period is the wall time since the previous line, and the rates are sums over the window divided by its
+    time (not a mean of per-step rates, which one quick step would dominate). The trainer is idle while it waits for
+    data (``time/drain_s``), so idle = drain / period. A restart's gap counts as one long period, so it shows.
+    """
+    steps = [(float(row["time"]) - float(prev["time"]), row) for prev, row in zip(rows, rows[1:])]
+    steps = [(period, row) for period, row in steps if period > 0]
+    out = []
+    for i, (_, row) in enumerate(steps):
+        span = steps[max(0, i - window + 1) : i + 1]
+        period = sum(p for p, _ in span)
+        out.append({"step": float(row["step"]), "time": float(row["time"]),
+                    "samples_per_s": sum(float(r.get("samples", 0)) for _, r in span) / period,
+                    "tokens_per_s": sum(float(r.get("num_tokens", 0)) for _, r in span) / period,
+                    "idle_fraction": min(1.0, sum(float(r.get("time/drain_s", 0.0)) for _, r in span) / period)})
+    return out
+
+
 def learning_curve(metrics_path: Path, windows: int = 10) -> list[tuple[int, int, float]]:
     """(first step, last step, mean reward) over ``windows`` equal spans of the run's steps."""
-    if not metrics_path.exists():
-        return []
-    rows: dict[int, float] = {}
-    for line in metrics_path.read_text().splitlines():
-        if line.strip():
-            d = json.loads(line)
-            rows[int(d["step"])] = float(d["reward_mean"])  # a step redone after a restart: the last one counts
+    rows = {int(d["step"]): float(d["reward_mean"]) for d in trainer_rows(metrics_path)}
     steps = sorted(rows)
     if not steps:
         return []

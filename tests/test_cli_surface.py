@@ -12,14 +12,21 @@ SURFACE = {
                          "--engine-response-tokens", "--engine-samples", "--group-size", "--json", "--layers",
                          "--num-experts", "--out", "--prompt-tokens", "--redis-url", "--response-tokens", "--rounds",
                          "--routing", "--samples", "--topk"]),
+    "bench faults": ([], ["--baseline", "--checkpoint-every", "--json", "--kinds", "--no-baseline", "--out", "--recipe",
+                          "--resumes", "--seed", "--steps", "--timeout-s", "--trials"]),  # issue 11 asks for it
     "bench pipeline": ([], ["--json", "--max-lag", "--out", "--recipe", "--skip-steps", "--steps"]),
     "bench rollout": ([], ["--capture-reference", "--concurrency", "--group-size", "--groups", "--json", "--layers",
                            "--max-new-tokens", "--no-capture-reference", "--num-experts", "--rounds", "--temperature",
                            "--topk"]),
+    "bench sync": ([], ["--big", "--bucket-mb", "--engine-dtype", "--json", "--no-big", "--out", "--rounds",
+                        "--sizes-mb"]),  # issue 9 asks for it
     "engine serve": (["model_dir", "engine_args"], []),
     "eval": ([], ["--checkpoints", "--group", "--heldout", "--json", "--redis", "--reset", "--run", "--run-dir", "--start",
                   "--until-idle"]),
+    "export": ([], ["--json", "--run-dir", "--step", "--to"]),  # issue 12: HF export of a run's checkpoint
     "model init-tiny": ([], ["--arch", "--out", "--seed", "--set"]),
+    "plot": ([], ["--json", "--run-dir"]),  # issue 12: PNG plots of any run
+    "status": ([], ["--json", "--redis", "--run-dir", "--watch"]),  # issue 12: the live view of any run
     "queue audit": ([], ["--json", "--redis", "--run", "--run-dir", "--samples"]),
     "queue export": ([], ["--json", "--range", "--redis", "--run", "--run-dir", "--to"]),
     "queue stats": ([], ["--json", "--redis", "--run", "--run-dir"]),

@@ -282,11 +282,27 @@ def test_list_of_prompts_with_n_samples(engine: EngineProcess) -> None:
     assert all(len(r["meta_info"]["output_token_logprobs"]) == 8 for r in results)
 
 
+def test_stop_strings_end_the_output_as_sglang_does(engine: EngineProcess) -> None:
+    # The character tokenizer makes token i of the output character i of its text (ids >= 4 are characters).
+    free = engine.generate(_request(PROMPTS[0], max_new_tokens=24))
+    out, text = free["output_ids"], free["text"]
+    assert all(t >= 4 for t in out), "the greedy output holds a special token; pick another prompt"
+    first = next(i for i in range(4, 20) if text[i:i + 2] not in text[:i + 1])  # a pair that first ends at i + 1
+    stop = text[first:first + 2]
+    stopped = engine.generate(_request(PROMPTS[0], max_new_tokens=24, stop=["never", stop]))
+    assert stopped["output_ids"] == out[: first + 2]  # the tokens that spell it are kept: the model made them
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert stopped["text"] == text[:first]  # the text is cut before it
+    rows = len(base64.b64decode(stopped["meta_info"]["routed_experts"])) // 4 // (2 * 2)
+    assert rows == len(PROMPTS[0]) + first + 2 - 1
+
+
 def test_bad_requests_are_refused_with_a_reason(engine: EngineProcess) -> None:
     cases = [
         ({"input_ids": []}, "empty"),
         ({"input_ids": [5, 999]}, "vocabulary"),
-        ({"input_ids": [5], "sampling_params": {"stop": ["x"]}}, "stop_token_ids"),
+        ({"input_ids": [5], "sampling_params": {"stop": [""]}}, "stop strings"),
+        ({"input_ids": [5], "sampling_params": {"min_p": 0.1}}, "min_p"),
         ({"input_ids": [5], "sampling_params": {"temperature": -1}}, "temperature"),
         ({"input_ids": [5], "stream": True}, "stream"),
     ]
@@ -331,6 +347,11 @@ def test_model_info_and_load(engine: EngineProcess) -> None:
     assert (info["num_moe_layers"], info["num_experts"], info["num_experts_per_tok"]) == (2, 8, 2)
     load = engine.get("/get_load")
     assert load["num_running_reqs"] == 0 and load["num_waiting_reqs"] == 0
+    # SGLang 0.5.23's path and shape, which the client reads for both engines.
+    loads = engine.get("/v1/loads")
+    assert loads["dp_rank_count"] == 1 and loads["aggregate"]["num_total_reqs"] == 0
+    assert loads["loads"][0]["num_running_reqs"] == 0 and loads["loads"][0]["tokens_generated"] == load[
+        "tokens_generated"]
 
 
 SENDER = textwrap.dedent(

@@ -3,13 +3,13 @@ audit. A filter that did nothing would leave the constant groups in the batch, a
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import make_group
 
+from pipeline import plugins
 from pipeline.config import load_config
 from pipeline.consumers.audit import audit_trainer
 from pipeline.consumers.drain import Drainer
@@ -21,7 +21,7 @@ from pipeline.errors import ConfigError, SluiceError
 from pipeline.queue.redis_streams import SampleQueue
 from pipeline.queue.sample import Sample
 
-sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
+plugins.activate([Path(__file__).parent / "fixtures"])  # as a recipe's plugins.paths would
 
 FRESH = StalenessConfig(max_lag=1, action="drop")
 
@@ -57,7 +57,9 @@ def test_zero_variance_filter_drops_exactly_the_constant_groups_and_keeps_drawin
     assert {line.sample_id for line in batch.lines if line.fate == "filtered"} == filtered_ids
     assert all(line.fate == "filtered" for line in batch.lines)
     assert batch.filters.as_metrics() == {"filter/groups_zero_variance": 4.0, "filter/groups_user": 0.0,
-                                          "filter/samples": 16.0, "filter/capped": 0.0}
+                                          "filter/samples": 16.0, "filter/capped": 0.0,
+                                          "filter/groups_reweighted": 0.0, "filter/weight_mean": 1.0}
+    assert batch.weights() is None  # nothing reweighted: the train step gets no weights
     # The four filtered groups gave their slots back at drain time; the trained ones keep theirs.
     assert batch.slots.released == 4 and int(queue.redis.get(queue.keys.groups_started)) == len(groups) - 4
     assert batch.drain_metrics()["pacing/slots_released"] == 4.0
@@ -152,7 +154,7 @@ def test_a_bad_filter_path_is_rejected_when_the_recipe_loads() -> None:
         load_config(overrides=['filters.user=["no_such_module:keep"]'])
     with pytest.raises(ConfigError, match=r"filters\.user\[1\].*has no attribute 'missing'"):
         load_config(overrides=['filters.user=["user_filters:mean_reward_above_half", "user_filters:missing"]'])
-    with pytest.raises(ConfigError, match="must take one argument"):
+    with pytest.raises(ConfigError, match=r"filters\.user\[0\].*must accept \(group"):
         load_config(overrides=['filters.user=["user_filters:two_arguments"]'])
     with pytest.raises(ConfigError, match="not a function"):
         load_config(overrides=['filters.user=["user_filters:NOT_CALLABLE"]'])
@@ -168,14 +170,101 @@ def test_a_bad_filter_path_is_rejected_when_the_recipe_loads() -> None:
     assert cfg.filters.zero_variance and cfg.filters.user == ["user_filters:mean_reward_above_half"]
 
 
-def test_a_filter_must_answer_with_a_bool() -> None:
+def test_a_filter_must_answer_with_a_bool_or_a_weight() -> None:
     rng = np.random.default_rng(4)
-    group = rewarded(rng, [0.0, 1.0])
+    group = rewarded(rng, [0.0, 0.8])
     assert GroupFilters(FilterConfig(user=["user_filters:numpy_keep_all"])).check(group) is None
-    bad = GroupFilters(FilterConfig.model_construct(zero_variance=False, user=[]))
-    bad.user = [("user_filters:returns_a_number", resolve_filter("user_filters:returns_a_number"))]
-    with pytest.raises(SluiceError, match="returned float; it must return True"):
-        bad.check(group)
+    assert GroupFilters(FilterConfig(user=["user_filters:returns_a_number"])).weigh(group).weight == 1.0
+    # Two filters' weights multiply; a weight of zero drops, naming the filter that did.
+    both = GroupFilters(FilterConfig(user=["user_filters:double_low_mean", "user_filters:double_low_mean"]))
+    assert both.weigh(group).weight == 4.0 and both.check(group) is None
+    zero = GroupFilters(FilterConfig(user=["user_filters:double_low_mean", "user_filters:drop_reward_above_2"]))
+    assert zero.check(rewarded(rng, [0.0, 3.0])) == "user_filters:drop_reward_above_2"
+    for ref, answer in (("negative_weight", "returned the weight -1.0"), ("nan_weight", "returned the weight nan"),
+                        ("text_weight", "returned str 'keep'"), ("raising_filter", "raised ZeroDivisionError")):
+        bad = GroupFilters(FilterConfig.model_construct(zero_variance=False, user=[]))
+        bad.user = [(f"user_filters:{ref}", resolve_filter(f"user_filters:{ref}"))]
+        with pytest.raises(SluiceError, match=rf"group filter 'user_filters:{ref}' {answer}"):
+            bad.check(group)
+
+
+def test_a_reweighting_filter_weighs_kept_groups_and_still_drops(queue: SampleQueue, tmp_path: Path) -> None:
+    rng = np.random.default_rng(5)
+    rewards = ([0.0, 1.0, 0.0], [1.0, 1.0, 0.0], [0.0, 3.0, 1.0], [0.0, 0.5, 0.0], [1.0, 1.0, 1.0], [0.9, 1.0, 0.0])
+    groups = [rewarded(rng, r) for r in rewards]
+    ids = queue.put_many(groups)
+    cfg = FilterConfig(zero_variance=True, user=["user_filters:double_low_mean", "user_filters:drop_reward_above_2"])
+    d = Drainer(queue, Ledger(tmp_path / "ledger"), FRESH, filters=cfg, block_ms=10)
+    d.recover()
+    batch = d.next_batch(4, step=0, version=lambda: 0)
+    # Group 2 (a reward above 2: weight 0) and group 4 (constant) are dropped; the low-mean groups weigh 2.
+    assert batch.group_entries == [ids[0], ids[1], ids[3], ids[5]]
+    assert batch.group_weights == [2.0, 1.0, 2.0, 1.0] and batch.weights() == [2.0, 1.0, 2.0, 1.0]
+    assert {line.sample_id for line in batch.lines if line.fate == "filtered"} == \
+        {s.sample_id for g in (groups[2], groups[4]) for s in g}
+    metrics = batch.drain_metrics()
+    assert (metrics["filter/groups_reweighted"], metrics["filter/weight_mean"]) == (2.0, 1.5)
+    assert (metrics["filter/groups_user"], metrics["filter/groups_zero_variance"]) == (1.0, 1.0)
+    # Replay judges with the same filters, so it weighs the same groups.
+    from pipeline.consumers.trainer import LocalClock
+
+    clock = LocalClock(0)
+    src = ReplaySource(iter([(f"{i}-0", g) for i, g in enumerate(groups)]), FRESH, Ledger(tmp_path / "replay"),
+                       clock, filters=cfg)
+    assert src.next_batch(4, step=0, version=clock.get).group_weights == [2.0, 1.0, 2.0, 1.0]
+
+
+def test_filter_weights_reach_the_train_step_and_the_step_metrics(queue: SampleQueue, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real trainer loop over a real drain: the step function gets each group's weight, the metrics line counts."""
+    import json
+
+    import torch
+
+    from pipeline.consumers.megatron import checkpoint
+    from pipeline.consumers.trainer import RedisClock, Trainer, TrainerSettings
+
+    class Recording:
+        def __init__(self) -> None:
+            self.calls: list[tuple[list[float], list[float] | None]] = []
+
+        def step(self, groups: list[list[Sample]], weights: list[float] | None = None) -> dict[str, float]:
+            self.calls.append(([float(np.mean([s.reward for s in g])) for g in groups], weights))
+            return {"loss": 0.0}
+
+        def state_dict(self) -> dict[str, int]:
+            return {}
+
+        def load_state_dict(self, state: dict[str, int]) -> None:
+            pass
+
+    def save_checkpoint(directory: Path, model: object, optimizer: object, meta: dict) -> float:
+        directory.mkdir(parents=True)
+        return 0.0
+
+    monkeypatch.setattr(checkpoint, "save_checkpoint", save_checkpoint)
+    rng = np.random.default_rng(6)
+    queue.put_many([rewarded(rng, r) for r in ([0.0, 1.0, 0.0], [0.0, 3.0, 1.0], [1.0, 1.0, 0.0],
+                                               [1.0, 0.0, 1.0], [1.0, 1.0, 0.0])])
+    run_dir = tmp_path / "run"
+    cfg = FilterConfig(user=["user_filters:double_low_mean", "user_filters:drop_reward_above_2"])
+    model = torch.nn.Linear(2, 2)
+    step_fn = Recording()
+    trainer = Trainer(TrainerSettings(steps=2, batch_groups=2, checkpoint_every=2, keep_checkpoints=2,
+                                      run_dir=run_dir, overlap_push=False),
+                      model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), step_fn=step_fn,
+                      export_weights=lambda: iter([("w", model.weight.detach().clone())]),
+                      source=Drainer(queue, Ledger(run_dir / "ledger"), FRESH, filters=cfg, block_ms=10),
+                      clock=RedisClock(queue), ledger=Ledger(run_dir / "ledger"))
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    means = [pytest.approx(1 / 3), pytest.approx(2 / 3)]
+    assert step_fn.calls == [(means, [2.0, 1.0]), ([pytest.approx(2 / 3)] * 2, None)]
+    rows = [json.loads(line) for line in (run_dir / "metrics" / "trainer.jsonl").read_text().splitlines()]
+    assert [(r["filter/groups_reweighted"], r["filter/weight_mean"], r["filter/groups_user"]) for r in rows] == \
+        [(1.0, 1.5, 1.0), (0.0, 1.0, 0.0)]
 
 
 def test_a_capped_step_spends_the_slots_it_left_unused_once(queue: SampleQueue, tmp_path: Path) -> None:

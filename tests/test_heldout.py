@@ -310,6 +310,30 @@ def has_digit(prompt: Prompt, response: str) -> tuple[float, dict[str, Any]]:
     return float(ok), {"pass": ok}
 
 
+def test_a_group_judge_scores_each_held_out_prompt_as_one_group(engine: Any, two_snapshots: dict[str, Any],
+                                                                 tmp_path: Path) -> None:
+    from pipeline.producers.rewards import GroupScorer
+
+    seen: list[int] = []
+
+    def first_wins(prompt: Prompt, responses: list[str]) -> list[tuple[float, dict[str, Any]]]:
+        seen.append(len(responses))  # the greedy response and the sampled ones, together
+        return [(1.0, {"pass": True})] + [(0.0, {"pass": False})] * (len(responses) - 1)
+
+    async def evaluate() -> dict[str, Any]:
+        ev = _evaluator(engine, two_snapshots, tmp_path / "m.jsonl")
+        ev.reward_fn = GroupScorer(first_wins, timeout_s=10, concurrency=4)
+        try:
+            return await ev.evaluate(5, two_snapshots["run_dir"] / "snapshots" / "v00000005")
+        finally:
+            await ev.engine.close()  # type: ignore[attr-defined]
+
+    line = asyncio.run(evaluate())
+    assert seen == [1 + SETTINGS.samples] * len(two_snapshots["prompts"])
+    # The judge passed every greedy response and no sampled one: a per-sample reward would not have been asked.
+    assert line["greedy_pass1"] == 1.0 and line["sampled_pass1"] == 0.0
+
+
 def test_sampled_figures_repeat_with_the_seed_and_match_direct_requests(engine: Any, two_snapshots: dict[str, Any],
                                                                         tmp_path: Path) -> None:
     data = two_snapshots

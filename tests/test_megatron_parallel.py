@@ -30,6 +30,7 @@ from pipeline.consumers.megatron.convert import load_hf_into_megatron, megatron_
 from pipeline.consumers.megatron.model import (  # noqa: E402
     allreduce_gradients,
     build_gpt_model,
+    forward_logits,
     forward_logprobs,
     init_parallel,
 )
@@ -85,7 +86,7 @@ def _step(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, floa
     loss.backward()
     allreduce_gradients(model)
     opt.step()
-    return logprobs.detach(), float(loss)
+    return logprobs.detach(), float(loss.detach())
 
 
 def _run_layout(name: str, weights_dir: Path, out_dir: Path, rank: int, world: int) -> None:
@@ -262,6 +263,32 @@ def _assert_ep2_checkpoint_loads_on_one_rank(out: Path, weights: Path) -> None:
         assert torch.equal(param.detach(), saved[f"a.{name}"]), name
         assert torch.equal(adam.state[param]["exp_avg"], saved[f"m.{name}"]), name
         assert int(adam.state[param]["step"]) == 1
+    _assert_ep2_checkpoint_exports_to_hf(out, weights, model)
+
+
+def _assert_ep2_checkpoint_exports_to_hf(out: Path, weights: Path, model: torch.nn.Module) -> None:
+    # `sluice export` of the 2-rank EP checkpoint, in its own process at world size 1: transformers loads the folder
+    # as it is and gives the logits of the megatron model that loaded the same checkpoint above.
+    import shutil
+
+    from pipeline.config import load_config
+
+    run_dir = out / "run"
+    shutil.copytree(out / "ckpt-ep2", run_dir / "checkpoints" / "step-00000001")
+    cfg = load_config(None, [f"model.path={json.dumps(str(weights / 'moe'))}"])
+    (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(mode="json")))
+    hf_dir = out / "hf-ep2"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "pipeline.cli", "export", "--run-dir", str(run_dir), "--to",
+                        str(hf_dir)], capture_output=True, text=True, env=env, timeout=300,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0, r.stderr[-3000:]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    ids = _batch()
+    with torch.no_grad():
+        diff = (hf(ids).logits - forward_logits(model.eval(), ids, torch.ones_like(ids))).abs().max().item()
+    print(f"EP=2 checkpoint exported on one process: max |HF - megatron| logits {diff:.2e} (tolerance {TOLERANCE:.0e})")
+    assert diff < TOLERANCE
 
 
 def _initial(weights: Path, moe: bool) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import sys
 import threading
@@ -15,6 +16,8 @@ import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pipeline import plugins
+from pipeline.config import load_config
 from pipeline.consumers.staleness import may_admit
 from pipeline.errors import ConfigError
 from pipeline.producers.producer import _TAKE
@@ -30,7 +33,7 @@ from pipeline.producers.prompts import (
 from pipeline.producers.rewards import integer_match, prefix_match, resolve_reward, score
 from pipeline.queue.keys import RunKeys
 
-sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
+plugins.activate([Path(__file__).parent / "fixtures"])  # as a recipe's plugins.paths would
 
 
 def test_synthetic_tasks_are_deterministic_and_answerable() -> None:
@@ -139,7 +142,7 @@ def test_builtin_rewards() -> None:
 def test_user_rewards_resolve_and_are_checked_at_startup() -> None:
     assert resolve_reward("user_rewards:length_reward")(None, "abc") == 3.0  # type: ignore[arg-type]
     for spec, match in [("nope", "neither a built-in"), ("user_rewards:missing", "no attribute"),
-                        ("no_such_module:f", "cannot import"), ("user_rewards:NOT_CALLABLE", "not callable"),
+                        ("no_such_module:f", "cannot import"), ("user_rewards:NOT_CALLABLE", "not a function"),
                         ("user_rewards:wrong_signature", "must accept")]:
         with pytest.raises(ConfigError, match=match):
             resolve_reward(spec)
@@ -163,3 +166,24 @@ def test_failing_rewards_mark_the_sample_failed_and_do_not_raise() -> None:
     assert nan.failed and "nan" in nan.info["error"]
     assert not ok.failed and ok.reward == 0.5 and ok.info == {"seen": "r"}
     assert no_answer.failed and "no answer" in no_answer.info["error"]
+
+
+def test_plugins_come_only_from_the_recipes_folders_and_are_recorded(tmp_path: Path) -> None:
+    """A module importable from elsewhere (the working directory, PYTHONPATH) is refused until plugins.paths names
+    its folder; the run folder's record then holds its file and hash, which change when the code does."""
+    stray = tmp_path / "stray"
+    stray.mkdir()
+    (stray / "stray_reward.py").write_text("def score(prompt, response):\n    return 1.0\n")
+    sys.path.insert(0, str(stray))  # importable, as a PYTHONPATH entry would make it
+    try:
+        with pytest.raises(ConfigError, match=r"producer\.reward = 'stray_reward:score'.*outside plugins\.paths"):
+            load_config(overrides=["producer.reward=stray_reward:score"])
+    finally:
+        sys.path.remove(str(stray))
+    with pytest.raises(ConfigError, match=r"plugins\.paths.*not a folder"):
+        load_config(overrides=[f"plugins.paths=[{str(tmp_path / 'nowhere')!r}]"])
+    cfg = load_config(overrides=["producer.reward=stray_reward:score", f"plugins.paths=[{str(stray)!r}]"])
+    [rec] = cfg.plugin_records()
+    source = (stray / "stray_reward.py").read_bytes()
+    assert rec["field"] == "producer.reward" and rec["file"] == str(stray / "stray_reward.py")
+    assert rec["sha256"] == hashlib.sha256(source).hexdigest()

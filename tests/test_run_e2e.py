@@ -132,13 +132,14 @@ def test_sluice_run_with_many_stale_drops_and_a_killed_producer_completes(tmp_pa
            "--steps", str(steps), "--set", "trainer.checkpoint_every=4", "--set", "staleness.action=drop",
            "--set", "staleness.max_lag=1", "--set", "trainer.batch_groups=4", "--set", "producers=2",
            "--set", "producer.concurrency=4", "--set", "producer.reward=pacing_rewards:one_in_three_slow",
+           "--set", f"plugins.paths=[{str(fixtures)!r}]",
            "--set", "prompts.task=addition", "--set", "prompts.digits=2", "--set", "prompts.size=1000",
            "--set", "eval.enabled=false", "--set", "queue.archive.enabled=false",
            "--set", "warmstart.enabled=false", "--set", "eval.heldout.enabled=false", "--set", "filters.zero_variance=false",
            # A lease far longer than the run: the restarted producer-0 itself must hand its leftovers back (a peer
            # taking them after lease expiry is tested in test_pacing.py).
            "--set", "producer.lease_ttl_s=600"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(fixtures), str(ROOT)]))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     out = open(tmp_path / "launcher.log", "wb")  # noqa: SIM115 - the child keeps it
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:

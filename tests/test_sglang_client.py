@@ -277,13 +277,13 @@ async def _until(predicate: Any, timeout: float = 30.0) -> None:
 
 
 async def _until_running(client: SGLangClient, timeout: float = 30.0) -> None:
-    """Wait until the engine reports a running request (the CPU engine's /get_load)."""
+    """Wait until the engine reports a running request (/v1/loads, with the CPU engine's token counter)."""
     probe = SGLangClient(client.base_url, retry=NO_RETRY)
     try:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             load = await probe.get_load()
-            if load.get("num_running_reqs", 0) >= 1 and load.get("tokens_generated", 0) > 0:
+            if load.num_running_reqs >= 1 and load.total("tokens_generated") > 0:
                 return
             await asyncio.sleep(0.01)
         raise AssertionError("the engine never reported a running request")
@@ -336,6 +336,7 @@ class FlakyServer:
         app.router.add_get("/get_model_info", self._info)
         app.router.add_post("/update_weights_from_distributed", self._refuse)
         app.router.add_post("/flush_cache", self._text)
+        app.router.add_get("/v1/loads", self._loads)
         self._runner = web.AppRunner(app)
         await self._runner.setup()
         port = free_port()
@@ -375,6 +376,14 @@ class FlakyServer:
     async def _text(self, request: web.Request) -> web.Response:
         return web.Response(text="Cache flushed.\n")
 
+    async def _loads(self, request: web.Request) -> web.Response:
+        # SGLang 0.5.23's answer for two data-parallel ranks (it serves no /get_load route any more).
+        self._hit("loads")
+        ranks = [{"dp_rank": i, "num_running_reqs": 3 + i, "num_waiting_reqs": 2 * i, "num_total_reqs": 3 + 3 * i,
+                  "num_used_tokens": 100, "max_total_num_tokens": 1000, "token_usage": 0.1} for i in range(2)]
+        return web.json_response({"timestamp": "2026-01-01T00:00:00+00:00", "version": "0.5.23",
+                                  "dp_rank_count": 2, "loads": ranks, "aggregate": {}})
+
 
 def _with_server(test: Any) -> None:
     async def scenario() -> None:
@@ -385,6 +394,17 @@ def _with_server(test: Any) -> None:
             await server.stop()
 
     asyncio.run(scenario())
+
+
+def test_get_load_reads_sglangs_v1_loads() -> None:
+    async def test(server: FlakyServer) -> None:
+        async with SGLangClient(server.url, retry=FAST) as client:
+            load = await client.get_load()
+        assert server.hits["loads"] == 1
+        assert (load.num_running_reqs, load.num_waiting_reqs, load.num_total_reqs) == (7, 2, 9)
+        assert load.total("num_used_tokens") == 200 and len(load.ranks) == 2
+
+    _with_server(test)
 
 
 def test_retry_rides_out_5xx_then_succeeds() -> None:

@@ -10,11 +10,13 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from train_samples import routed_groups
 
 from pipeline.config import load_config
 from pipeline.consumers.audit import audit_trainer
@@ -23,38 +25,19 @@ from pipeline.launch import prepare_run
 from pipeline.producers.producer import read_num_experts
 from pipeline.queue.archive import parse_id
 from pipeline.queue.redis_server import free_port
-from pipeline.queue.sample import Sample, compact_routing
 
 pytestmark = pytest.mark.slow
 
 STEPS, BATCH_GROUPS, GROUP_SIZE = 8, 2, 4
 
 
-def _groups(rng: np.random.Generator, n: int, vocab: int, layers: int, topk: int, experts: int) -> list[list[Sample]]:
-    out = []
-    for g in range(n):
-        group = []
-        for i in range(GROUP_SIZE):
-            p, r = int(rng.integers(4, 9)), int(rng.integers(3, 8))
-            group.append(Sample(
-                prompt_ids=rng.integers(4, vocab, p), response_ids=rng.integers(4, vocab, r),
-                rollout_logprobs=-rng.random(r).astype(np.float32) - 2.0, token_versions=np.zeros(r, np.int32),
-                routed_experts=compact_routing(
-                    np.stack([rng.permutation(experts)[:topk] for _ in range((p + r - 1) * layers)]).reshape(
-                        p + r - 1, layers, topk), experts),
-                reward=float(rng.random()), group_id=f"g{g}", prompt_id=f"p{g}", index=i, producer="test",
-            ))
-        out.append(group)
-    return out
-
-
-def _start_trainer(run_dir: Path) -> subprocess.Popen[bytes]:
+def _start_trainer(run_dir: Path, preexec_fn: Callable[[], None] | None = None) -> subprocess.Popen[bytes]:
     env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
     log = open(run_dir / "trainer-test.log", "ab")  # noqa: SIM115 - the child keeps it
     # Own process group: the checkpoint writer is a child of the trainer, and a crash takes both.
     return subprocess.Popen([sys.executable, "-m", "pipeline.processes", "trainer", str(run_dir)], env=env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=preexec_fn)
 
 
 def _kill_9(proc: subprocess.Popen[bytes]) -> None:
@@ -92,7 +75,7 @@ def test_kill_9_during_step_and_during_checkpoint_loses_nothing_and_trains_nothi
     try:
         (run_dir / "engines.json").write_text("[]")
         hf = json.loads((model_dir / "config.json").read_text())
-        groups = _groups(np.random.default_rng(0), STEPS * BATCH_GROUPS + 3, hf["vocab_size"],
+        groups = routed_groups(np.random.default_rng(0), STEPS * BATCH_GROUPS + 3, GROUP_SIZE, hf["vocab_size"],
                          hf["num_hidden_layers"], hf["num_experts_per_tok"], read_num_experts(model_dir))
         ids = handle.queue.put_many(groups)
 

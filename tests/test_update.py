@@ -25,6 +25,7 @@ from pipeline.consumers.megatron.model import build_gpt_model, init_parallel  # 
 from pipeline.consumers.optim import MasterWeightOptimizer  # noqa: E402
 from pipeline.consumers.schedule import LRScheduleConfig, lr_at  # noqa: E402
 from pipeline.consumers.train_step import TrainStep, TrainStepConfig  # noqa: E402
+from pipeline.errors import ConfigError  # noqa: E402
 
 SIZES = [4, 4, 4, 4]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -112,6 +113,30 @@ def test_lr_schedule_by_hand() -> None:
     assert [lr_at(s, 2.0, lin) for s in range(5)] == [2.0, 1.5, 1.0, 0.5, 0.0]
     with pytest.raises(ValueError, match="negative"):
         lr_at(-1, 1.0, warm)
+
+
+def test_a_decay_by_samples_gives_the_same_rate_at_the_same_samples_whatever_the_steps() -> None:
+    cos = LRScheduleConfig(warmup_steps=2, decay="cosine", min_lr_ratio=0.1, decay_unit="samples", decay_samples=1000)
+    assert lr_at(0, 1.0, cos, samples=0) == pytest.approx(1 / 3)  # warm-up counts optimizer steps
+    # Two runs at 500 samples trained, one at its optimizer step 5 and one at step 40: the same rate, half way.
+    assert lr_at(5, 1.0, cos, samples=500) == lr_at(40, 1.0, cos, samples=500) == pytest.approx(0.55)
+    assert lr_at(6, 1.0, cos, samples=5000) == pytest.approx(0.1)
+    with pytest.raises(ConfigError, match="decay_samples"):
+        LRScheduleConfig(decay="cosine", decay_unit="samples")
+    with pytest.raises(ConfigError, match="ignores it"):
+        LRScheduleConfig(decay="cosine", decay_samples=10)
+
+
+def test_the_train_step_decays_by_samples_trained(tiny: tuple[Path, ModelConfig]) -> None:
+    sched = LRScheduleConfig(decay="linear", decay_unit="samples", decay_samples=10_000, min_lr_ratio=0.0)
+    step = _step(tiny, TrainStepConfig(lr=1e-3, micro_batch_samples=8, lr_schedule=sched), total_steps=1_000)
+    first = step.step(synthetic_groups(tiny[1], SIZES, seed=0))
+    second = step.step(synthetic_groups(tiny[1], SIZES, seed=1))
+    step.close()
+    assert first["lr"] == pytest.approx(1e-3)  # nothing trained before the first step
+    # The second step's rate is set by the samples the first trained, not by its step count out of 1,000.
+    assert second["lr"] == pytest.approx(1e-3 * (1 - first["num_trainable_samples"] / 10_000))
+    assert second["lr"] < 1e-3 * (1 - 1 / 1_000) - 1e-9
 
 
 def test_the_train_step_follows_the_schedule_across_mini_batches_and_a_resume(tiny: tuple[Path, ModelConfig]) -> None:

@@ -23,12 +23,14 @@ import torch
 
 from pipeline.errors import SyncError
 from pipeline.sync.base import EngineReply, TensorMeta
+from pipeline.sync.packing import BucketPacker
 from pipeline.sync.weights import (
     WeightPusher,
     check_announcement,
     init_weight_group,
     meta_of,
     plan_buckets,
+    receive_flat,
     receive_tensors,
     validate_metas,
 )
@@ -80,8 +82,9 @@ def _receiver_main(argv: list[str]) -> None:
                 answer({"success": False, "message": "refused on purpose by the test"})
                 continue
             count = 0
-            for name, tensor in receive_tensors(group, cmd["names"], cmd["dtypes"], cmd["shapes"]):
-                received[name] = tensor
+            receive = receive_flat if cmd.get("load_format") == "flattened_bucket" else receive_tensors
+            for name, tensor in receive(group, cmd["names"], cmd["dtypes"], cmd["shapes"]):
+                received[name] = tensor.clone()
                 count += 1
             answer({"success": True, "message": f"loaded {count} tensors"})
         elif op == "dump":
@@ -137,11 +140,20 @@ class _ReceiverEngine:
 
     async def update_weights_from_distributed(self, **kw: Any) -> EngineReply:
         self.calls.append(("update", kw))
-        cmd = {"op": "update", "names": kw["names"], "dtypes": kw["dtypes"], "shapes": kw["shapes"]}
+        cmd = {"op": "update", "names": kw["names"], "dtypes": kw["dtypes"], "shapes": kw["shapes"],
+               "load_format": kw.get("load_format")}
         return await self._ask({**cmd, "refuse": self.refuse_updates})
 
     async def end_weight_update(self) -> EngineReply:
         self.calls.append(("end", {}))
+        return EngineReply(True, "")
+
+    async def pause_generation(self, mode: str = "abort") -> EngineReply:
+        self.calls.append(("pause", {"mode": mode}))
+        return EngineReply(True, "")
+
+    async def continue_generation(self) -> EngineReply:
+        self.calls.append(("continue", {}))
         return EngineReply(True, "")
 
     async def destroy_weights_update_group(self, group_name: str) -> EngineReply:
@@ -188,6 +200,14 @@ class _RecordingEngine:
 
     async def end_weight_update(self) -> EngineReply:
         self.calls.append("end")
+        return EngineReply(True, "")
+
+    async def pause_generation(self, mode: str = "abort") -> EngineReply:
+        self.calls.append("pause")
+        return EngineReply(True, "")
+
+    async def continue_generation(self) -> EngineReply:
+        self.calls.append("continue")
         return EngineReply(True, "")
 
     async def destroy_weights_update_group(self, group_name: str) -> EngineReply:
@@ -245,6 +265,43 @@ def test_plan_buckets_uses_dtype_sizes_and_rejects_bad_input() -> None:
         plan_buckets(bf16, bucket_bytes=0)
     with pytest.raises(SyncError):
         plan_buckets(["not a tensor"], bucket_bytes=10)
+
+
+def test_packer_streams_in_order_with_an_oversize_tensor_alone_and_two_buffers_at_most() -> None:
+    gen = torch.Generator().manual_seed(3)
+    tensors = [("a", torch.randn(4, generator=gen)), ("big", torch.randn(100, generator=gen)),
+               ("b", torch.randn(3, generator=gen)), ("ids", torch.arange(2)), ("c", torch.randn(1, generator=gen))]
+    packer = BucketPacker(bucket_bytes=32, dtype="bfloat16", device=torch.device("cpu"))
+    seen = []
+    for bucket, last in packer.stream(tensors):
+        # Flat: the bucket's bytes are its tensors' bytes back to back, floats cast to the wire dtype.
+        assert bucket.nbytes == sum(m.nbytes for m in bucket.metas)
+        seen.append(([m.name for m in bucket.metas], last, [(n, t.clone()) for n, t in bucket.tensors()]))
+        bucket.release()
+    assert [(names, last) for names, last, _ in seen] == [(["a"], False), (["big"], False),
+                                                         (["b", "ids", "c"], True)]
+    got = dict(t for _, _, ts in seen for t in ts)
+    for name, sent in tensors:
+        want = sent.to(torch.bfloat16) if sent.is_floating_point() else sent
+        assert got[name].dtype == want.dtype and torch.equal(got[name], want), name
+    # "ids" (int64) sits at byte 6 of its bucket: not aligned to 8, so it came back through a copy, bit-exact.
+    assert packer.stats.peak_buffer_bytes <= 32 + 200  # a standard buffer and the oversize tensor's own
+
+
+def test_packer_exhausts_its_source_when_the_consumer_stops_early() -> None:
+    pulled = []
+
+    def source() -> Any:
+        for i in range(10):
+            pulled.append(i)
+            yield f"w{i}", torch.zeros(8)
+
+    packer = BucketPacker(bucket_bytes=32, dtype=None, device=torch.device("cpu"))
+    stream = packer.stream(source())
+    first, _ = next(stream)
+    first.release()
+    stream.close()  # the push failed after its first bucket
+    assert pulled == list(range(10))  # a trainer's exporter is a collective: every rank walks it to the end
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -344,12 +401,13 @@ def test_push_mixed_dtypes_to_two_receivers_is_bit_identical(tmp_path: Path) -> 
             assert _bits(got[name]) == _bits(sent), name
         updates = [kw for op, kw in engine.calls if op == "update"]
         assert [n for kw in updates for n in kw["names"]] == [name for name, _ in tensors]
-        # The version and the cache flush ride on the last bucket only.
+        # The version rides on the last bucket only; the cache is not flushed under requests paused in place.
         assert [kw["weight_version"] for kw in updates] == [None] * (len(updates) - 1) + ["7"]
-        assert [kw["flush_cache"] for kw in updates] == [False] * (len(updates) - 1) + [True]
-        assert all(kw["abort_all_requests"] is False for kw in updates)
+        assert [kw["flush_cache"] for kw in updates] == [False] * len(updates)
+        assert all(kw["abort_all_requests"] is False and kw["load_format"] == "flattened_bucket" for kw in updates)
         ops = [op for op, _ in engine.calls]
-        assert ops[1] == "begin" and ops[-2:] == ["end", "destroy"] and ops.count("update") == stats.buckets
+        assert ops[1:3] == ["pause", "begin"] and ops[-3:] == ["end", "continue", "destroy"]
+        assert ops.count("update") == stats.buckets and engine.calls[1][1] == {"mode": "in_place"}
 
 
 def test_push_casts_to_engine_dtype(tmp_path: Path) -> None:
@@ -386,8 +444,9 @@ def test_refusing_engine_fails_the_push_with_its_name(tmp_path: Path) -> None:
             )
             with pytest.raises(SyncError, match="stubborn-engine.*refused on purpose"):
                 await pusher.push([("w", torch.ones(1000))], weight_version=2)
-            # The update window was closed again, and the group may not be reused half-way through a bucket.
-            assert [op for op, _ in engine.calls][-1] == "end"
+            # The update window was closed again but generation stays paused (the engine holds part of a push), and
+            # the group may not be reused half-way through a bucket.
+            assert [op for op, _ in engine.calls][-1] == "end" and "continue" not in [op for op, _ in engine.calls]
             with pytest.raises(SyncError, match="unusable"):
                 pusher.group.broadcast(torch.ones(1000))
             calls = len(engine.calls)
@@ -427,7 +486,8 @@ def test_gloo_throughput(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
     got = load_file(str(tmp_path / "recv.safetensors"))
-    assert stats.buckets == 4
+    # Each 32 MiB tensor is fp32 on the wire, at least a quarter of a bucket: sent from its own memory, one bucket each.
+    assert stats.buckets == 8 and stats.zero_copy_bytes == stats.bytes
     assert all(torch.equal(got[name], t) for name, t in tensors)
 
 

@@ -24,6 +24,7 @@ micro-batches of their own and the trainer runs those without replay (counted in
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -71,6 +72,8 @@ class TrainBatch:
     """[B] float32: GRPO group-normalised advantages (0 for samples left out of their group's statistics)."""
     rewards: Tensor
     """[B] float32."""
+    sample_weights: Tensor
+    """[B] float32: the group-filter weight of each sample's group (1 = as is; it scales the sample's loss)."""
     temperatures: Tensor
     """[B] float32: the temperature each sample is scored at (its sampling temperature unless overridden)."""
     group_index: Tensor
@@ -218,8 +221,11 @@ def collate(
     pad_token_id: int = 0,
     pad_multiple: int = 1,
     failed_in_group_stats: bool = True,
+    group_weights: Sequence[float] | None = None,
 ) -> TrainBatch:
     """Collate prompt groups (each a list of Samples of one prompt) into a :class:`TrainBatch`.
+
+    ``group_weights`` (one per group, default 1) are the group filters' weights, copied to each sample of the group.
 
     ``routing_shape`` is the model's MoE layout (None for a dense model: routing is then ignored). ``temperature``
     overrides every sample's sampling temperature when given. ``pad_multiple`` rounds T up (sequence parallelism
@@ -260,6 +266,12 @@ def collate(
                 routing_mask[b, : s.num_prompt_tokens + s.num_response_tokens - 1] = True
 
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    if group_weights is not None and len(group_weights) != len(groups):
+        raise SampleError(f"{len(group_weights)} group weights for {len(groups)} groups; give one per group")
+    weights = [1.0] * len(groups) if group_weights is None else [float(w) for w in group_weights]
+    if not all(math.isfinite(w) and w >= 0 for w in weights):
+        raise SampleError(f"group weights {weights} must be finite and >= 0")
+    sample_weights = torch.tensor([weights[g] for g, group in enumerate(groups) for _ in group], dtype=torch.float32)
     group_index = torch.tensor([g for g, group in enumerate(groups) for _ in group], dtype=torch.int64)
     in_stats = trainable | failed_in_group_stats
     return TrainBatch(
@@ -271,6 +283,7 @@ def collate(
         token_versions=versions,
         advantages=_advantages(rewards, group_index, in_stats, advantage or AdvantageConfig()),
         rewards=rewards,
+        sample_weights=sample_weights,
         temperatures=_temperatures(samples, temperature),
         group_index=group_index,
         trainable=trainable,
@@ -385,6 +398,7 @@ def empty_like(batch: TrainBatch, *, pad_token_id: int = 0) -> TrainBatch:
         token_versions=torch.full_like(one.token_versions, -1),
         advantages=torch.zeros_like(one.advantages),
         rewards=torch.zeros_like(one.rewards),
+        sample_weights=torch.zeros_like(one.sample_weights),
         trainable=torch.zeros_like(one.trainable),
         prompt_lens=torch.zeros_like(one.prompt_lens),
         response_lens=torch.zeros_like(one.response_lens),

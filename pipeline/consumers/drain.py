@@ -17,11 +17,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pipeline.consumers.filters import FilterConfig, FilterCounts, GroupFilters
+from pipeline.consumers.filters import FilterConfig, FilterCounts, FilterVerdict, GroupFilters
 from pipeline.consumers.ledger import Ledger, LedgerLine
 from pipeline.consumers.staleness import (
+    LINEAR,
     GroupDecision,
     GroupVersions,
+    Lineage,
     StalenessConfig,
     StalenessCounts,
     decide_group,
@@ -83,6 +85,8 @@ class Judgement:
     invalid: list[Sample]
     decision: GroupDecision | None  # None when no sample was trainable
     filtered_by: str | None = None
+    weight: float = 1.0
+    """The group filters' weight of a trained group: it scales the group's part of the loss."""
 
     @property
     def requeue(self) -> bool:
@@ -96,10 +100,13 @@ def judge_group(
     staleness: StalenessConfig,
     filters: GroupFilters | None = None,
     requeues: Callable[[str], int] = lambda group_id: 0,
+    lineage: Lineage = LINEAR,
 ) -> Judgement:
     """Invalid samples out, then the staleness policy, then the filters: the live drain and replay both use this.
 
     ``requeues(group_id)`` is asked only for a group the policy would requeue, so the common path costs nothing.
+    ``lineage``: which weights each version holds, once a trainer restored a checkpoint (lags are then distances
+    along it).
     """
     valid: list[Sample] = []
     invalid: list[Sample] = []
@@ -107,17 +114,37 @@ def judge_group(
         (valid if s.status in TRAINABLE and s.num_response_tokens > 0 else invalid).append(s)
     if not valid:
         return Judgement("invalid", valid, invalid, None)
-    decision = decide_group(GroupVersions.from_samples(valid), current, staleness)
+    decision = decide_group(GroupVersions.from_samples(valid), current, staleness, lineage)
     if decision.action == "requeue":
         n = requeues(valid[0].group_id)
         if n:
-            decision = decide_group(GroupVersions.from_samples(valid, requeues=n), current, staleness)
+            decision = decide_group(GroupVersions.from_samples(valid, requeues=n), current, staleness, lineage)
     if decision.action != "train":
         return Judgement("stale", valid, invalid, decision)
-    reason = filters.check(valid) if filters is not None else None
-    if reason is not None:
-        return Judgement("filtered", valid, invalid, decision, reason)
-    return Judgement("trained", valid, invalid, decision)
+    verdict = filters.weigh(valid) if filters is not None else FilterVerdict(None)
+    if verdict.dropped_by is not None:
+        return Judgement("filtered", valid, invalid, decision, verdict.dropped_by)
+    return Judgement("trained", valid, invalid, decision, weight=verdict.weight)
+
+
+def load_lineage(queue: SampleQueue) -> Lineage:
+    """The run's version lineage: the restores its trainers recorded (one small hash, read once per drain read)."""
+    raw = queue.redis.hgetall(queue.keys.lineage)
+    return Lineage({int(k): int(v) for k, v in raw.items()}) if raw else LINEAR
+
+
+def record_restore(queue: SampleQueue, version: int, base: int) -> None:
+    """Record that ``version``, the first push after a trainer restored a checkpoint, holds ``base``'s weights.
+
+    Written before that push, so no sample of ``version`` can be judged without it. A trainer that fails before the
+    push and resumes again pushes the same version number and overwrites the record with its own base.
+    """
+    if not 0 <= base < version:
+        # The checkpoint is newer than the counter (a Redis that lost it): nothing was abandoned to judge against.
+        log.warning("not recording restore %d -> %d: a restore holds an older version's weights", version, base)
+        return
+    queue.redis.hset(queue.keys.lineage, str(version), str(base))
+    queue.log_event("restore", version=version, base=base)
 
 
 # Spend the slots a capped step left unused, once per step: the budget grows by batch_groups per push, so a step that
@@ -153,6 +180,8 @@ class Batch:
     """One step's worth of prompt groups, and everything the drain decided on the way."""
 
     groups: list[list[Sample]] = field(default_factory=list)
+    group_weights: list[float] = field(default_factory=list)
+    """The group filters' weight of each group (1 = as is); empty means all 1."""
     group_entries: list[str] = field(default_factory=list)
     lines: list[LedgerLine] = field(default_factory=list)  # stale, invalid and filtered fates, decided at drain time
     consumed: list[str] = field(default_factory=list)  # every entry id taken this step, to ack at the commit
@@ -180,10 +209,18 @@ class Batch:
             self.counts.record(judged.decision)
             self.lags.append(judged.decision.lag)
         if judged.fate == "trained":
+            self.filters.record_kept(judged.weight)
+            # Padded with 1s for groups added without a judgement (tests, replays built by hand).
+            self.group_weights += [1.0] * (len(self.groups) - len(self.group_weights)) + [judged.weight]
             self.groups.append(judged.valid)
             self.group_entries.append(entry_id)
             return
         self.lines += [LedgerLine(s.sample_id, entry_id, judged.fate, step, current) for s in judged.valid]
+
+    def weights(self) -> list[float] | None:
+        """One weight per group, or None when no group was reweighted (the train step then weighs none)."""
+        weights = self.group_weights + [1.0] * (len(self.groups) - len(self.group_weights))
+        return weights if any(w != 1.0 for w in weights) else None
 
     def drain_metrics(self) -> dict[str, float]:
         """Filter and pacing-slot counters of this batch, for the step's metrics line."""
@@ -224,8 +261,12 @@ class Drainer:
         self._backlog: list[QueueEntry] = []
         self._release = queue.redis.register_script(_RELEASE)
         self._burn = queue.redis.register_script(_BURN)
+        self._restores_burned: set[int] = set()
         # Consumed entry id -> (group id, producer): at the ack, the slot records of trained groups are forgotten.
         self._entry_groups: dict[str, tuple[str, str]] = {}
+        # Sample ids of the entries drained and not yet acked: a second entry with the same samples (a put that
+        # redis-py re-sent after Redis died before answering it) is not drained twice.
+        self._held_samples: dict[str, tuple[str, ...]] = {}
 
     def recover(self) -> Recovery:
         """Re-read this consumer's pending entries and claim dead trainers', acking those already committed."""
@@ -235,7 +276,7 @@ class Drainer:
         done = [e for e in pending if all(self.ledger.is_committed(s.sample_id) for s in e.samples)]
         for e in done:
             self._entry_groups[e.id] = (e.samples[0].group_id, e.samples[0].producer)
-        self.ack([e.id for e in done])
+        self._ack([e.id for e in done])
         done_set = {e.id for e in done}
         self._backlog = [e for e in pending if e.id not in done_set]
         if pending:
@@ -244,6 +285,11 @@ class Drainer:
         return Recovery(already_committed=len(done), to_redo=len(self._backlog))
 
     def ack(self, entry_ids: list[str]) -> None:
+        """Acknowledge entries whose effect a commit now holds (and any committed leftovers: ``ack_leftovers``)."""
+        self._ack(entry_ids)
+        self.ack_leftovers()
+
+    def _ack(self, entry_ids: list[str]) -> None:
         """Acknowledge entries whose effect a commit now holds, and forget their groups' slot records.
 
         A trained group keeps its slot for good (the version it advanced paid for it), so only its record goes: from
@@ -256,6 +302,7 @@ class Drainer:
         by_producer: dict[str, list[str]] = {}
         for e in entry_ids:
             group_id, producer = self._entry_groups.pop(e, ("", ""))
+            self._held_samples.pop(e, None)
             if group_id:
                 by_producer.setdefault(producer, []).append(group_id)
         pipe = self.queue.redis.pipeline(transaction=True)
@@ -270,6 +317,7 @@ class Drainer:
         """Read until ``batch_groups`` groups pass the staleness policy and the filters (or ``should_stop``, or the
         filters' draw cap once ``min_groups`` are kept)."""
         batch = Batch()
+        self._burn_restores(batch_groups, batch)
         warned_at = self.warn_filtered
         while len(batch.groups) < batch_groups and not should_stop():
             if self.filters is not None and self.filters.drawn_enough(len(batch.groups), batch.filters.groups,
@@ -280,15 +328,18 @@ class Drainer:
             if self._backlog:
                 entries, self._backlog = self._backlog[:want], self._backlog[want:]
             else:
-                entries = self.queue.read(self.group, self.consumer, count=want, block_ms=self.block_ms)
+                entries = self._first_deliveries(
+                    self.queue.read(self.group, self.consumer, count=want, block_ms=self.block_ms))
             current = version()
+            lineage = load_lineage(self.queue)
             releases: list[tuple[str, str, bool]] = []
             for entry in entries:
                 first = entry.samples[0]
                 judged = judge_group(entry.samples, current, self.staleness, self.filters,
-                                     lambda group_id, p=first.producer: self._requeues(group_id, p))
+                                     lambda group_id, p=first.producer: self._requeues(group_id, p), lineage)
                 batch.add(entry.id, judged, step, current)
                 self._entry_groups[entry.id] = (first.group_id, first.producer)
+                self._held_samples[entry.id] = tuple(s.sample_id for s in entry.samples)
                 if judged.fate != "trained":
                     releases.append((first.group_id, first.producer, judged.requeue))
             self._give_back(releases, batch.slots)
@@ -300,8 +351,88 @@ class Drainer:
         if batch.filters.capped and len(batch.groups) < batch_groups:
             unused = batch_groups - len(batch.groups)
             keys = [self.queue.keys.slots_burned, self.queue.keys.groups_started]
-            batch.slots.burned = unused * int(self._burn(keys=keys, args=[step, unused]))
+            batch.slots.burned += unused * int(self._burn(keys=keys, args=[step, unused]))
         return batch
+
+    def _burn_restores(self, batch_groups: int, batch: Batch) -> None:
+        """Spend the slots a restore added to the pacing budget, once per restore (docs/queue.md, "Pacing slots").
+
+        The budget is ``(policy_version + max_lag + 1) * batch_groups``, and a restore ``J -> B`` raised the counter
+        by ``J - B`` with no trained batch to pay for it: the pushes of the abandoned steps (whose groups are trained
+        again, keeping their slots) and the resync push. Left in the budget, those slots let producers run that many
+        batches further ahead for the rest of the run, and the surplus is dropped as stale again and again (the fault
+        harness measured 32-848 stale samples, median 316, per rolled-back trial of 768 trained; 0 without a fault).
+        Keyed by ``J`` in ``slots_burned``, so a restarted trainer spends nothing twice."""
+        for start, base in load_lineage(self.queue).restores.items():
+            if start in self._restores_burned:
+                continue
+            count = (start - base) * batch_groups
+            keys = [self.queue.keys.slots_burned, self.queue.keys.groups_started]
+            batch.slots.burned += count * int(self._burn(keys=keys, args=[f"restore:{start}", count]))
+            self._restores_burned.add(start)
+
+    def _first_deliveries(self, entries: list[QueueEntry]) -> list[QueueEntry]:
+        """The entries this trainer has not drained before, and whose samples it has not drained in another entry.
+
+        When Redis dies (docs/faults.md, "Durability") two things can bring samples back. A server that lost its
+        last writes delivers again entries whose delivery it lost. And redis-py re-sends a command whose answer it
+        did not get, so a producer's put that Redis applied just before it died is applied twice: a second entry
+        with the same samples. An entry held for an uncommitted step, or a copy of one, is skipped: the commit acks
+        the original, and ``ack_leftovers`` then the copy. One whose samples the ledger committed is acked without
+        training, as a recovery would. Training either would count its samples twice.
+        """
+        held = {sid for ids in self._held_samples.values() for sid in ids}
+        fresh, committed = [], []
+        for e in entries:
+            ids = [s.sample_id for s in e.samples]
+            if e.id in self._entry_groups or all(sid in held for sid in ids):
+                log.warning("entry %s holds samples already drained for a step not yet committed (did Redis die "
+                            "before it answered?); not drained twice", e.id)
+            elif all(self.ledger.is_committed(sid) for sid in ids):
+                committed.append(e)
+            else:
+                fresh.append(e)
+        if committed:
+            log.warning("%d entries hold samples already committed (did Redis die before it answered?); acked "
+                        "without training", len(committed))
+            for e in committed:
+                self._entry_groups[e.id] = (e.samples[0].group_id, e.samples[0].producer)
+            self._ack([e.id for e in committed])
+        return fresh
+
+    def ack_leftovers(self) -> int:
+        """Settle the entries pending for this trainer that it does not hold; returns how many.
+
+        Each is one of two things, both left by a Redis that died mid-command (AOF keeps a prefix of the writes):
+        - committed: a commit's XACK was lost, or it is a copy of an entry a commit acked. It is acked now; nothing
+          else would ack it before a trainer restart, and it would hold back trimming for good.
+        - not committed: a read whose answer was lost (Redis delivered it, redis-py re-sent the read and got the
+          next entries). It goes to the backlog and is drained like any pending entry, unless it copies samples
+          this trainer holds, in which case a later call acks it once their commit lands.
+        """
+        held = set(self._entry_groups) | {e.id for e in self._backlog}
+        stale = [i for i in self.queue.pending_ids(self.group, self.consumer) if i not in held]
+        held_samples = {sid for ids in self._held_samples.values() for sid in ids}
+        done, found = [], []
+        for entry_id in stale:
+            for eid, entry in self.queue.scan(entry_id, entry_id):
+                if not isinstance(entry, QueueEntry):
+                    continue
+                ids = [s.sample_id for s in entry.samples]
+                if all(self.ledger.is_committed(sid) for sid in ids):
+                    self._entry_groups[eid] = (entry.samples[0].group_id, entry.samples[0].producer)
+                    done.append(eid)
+                elif not all(sid in held_samples for sid in ids):
+                    found.append(entry)
+        if done:
+            log.warning("%d committed entries were pending again (did Redis lose an XACK, or apply a put twice?); "
+                        "acked now", len(done))
+            self._ack(done)
+        if found:
+            log.warning("%d entries were delivered to this trainer without it seeing them (did Redis die before "
+                        "answering a read?); draining them now", len(found))
+            self._backlog += found
+        return len(done) + len(found)
 
     def _requeues(self, group_id: str, producer: str) -> int:
         pipe = self.queue.redis.pipeline(transaction=False)

@@ -58,6 +58,7 @@ import redis
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pipeline.errors import ConfigError, QueueError
+from pipeline.metrics import ScalarSink
 from pipeline.queue.base import QueueEntry
 from pipeline.queue.keys import RunKeys
 from pipeline.queue.redis_streams import SampleQueue
@@ -421,8 +422,9 @@ class Evaluator:
     """Reads a run's samples through its own consumer group and keeps per-version metrics (module docstring)."""
 
     def __init__(self, queue: SampleQueue, config: EvaluatorConfig | None = None, *,
-                 metrics_path: str | Path | None = None) -> None:
+                 metrics_path: str | Path | None = None, scalars: ScalarSink | None = None) -> None:
         self.queue = queue
+        self.scalars = scalars  # TensorBoard (and W&B) beside the JSONL, keyed by policy version
         self.cfg = config or EvaluatorConfig()
         self.key = eval_key(queue.run, self.cfg.group)
         self.metrics_path = Path(metrics_path) if metrics_path is not None else None
@@ -540,6 +542,10 @@ class Evaluator:
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.metrics_path, "a") as f:
             f.write("\n".join(lines) + "\n")
+        if self.scalars is not None:
+            for k, st in self.aggregate.items():
+                if str(k) in keys and isinstance(k, int):
+                    self.scalars.add({"time": now, **st.summary()}, k, prefix="stream/")
 
     # -- the loop
     def run(self, stop: threading.Event | None = None, until_idle_s: float | None = None,
@@ -596,6 +602,8 @@ def run_eval(
     reset: bool = False,
     stop: threading.Event | None = None,
     config: EvaluatorConfig | None = None,
+    scalars: ScalarSink | None = None,
+    start_server: bool = True,
 ) -> EvalReport:
     """Attach an evaluator to a live or finished run (``sluice eval --run-dir DIR``) and return its report.
 
@@ -603,7 +611,8 @@ def run_eval(
     the stream, ``"$"`` only entries added after the group is created. With ``until_idle_s`` it exits once nothing
     new arrived for that long (a finished run: it drains to the end, then exits); otherwise it runs until ``stop``.
     Metrics go to ``<run_dir>/eval/metrics.jsonl`` unless ``metrics_path`` says otherwise (no file without either).
-    ``config``, when given, replaces the group/consumer/start/pass_threshold arguments.
+    ``config``, when given, replaces the group/consumer/start/pass_threshold arguments. ``start_server=False``: a
+    process of a live run, which never starts the run's embedded Redis (its launcher does).
     """
     # Deferred: it pulls in the embedded-server launcher, which a plain Evaluator does not need.
     from pipeline.queue.rundir import open_run
@@ -611,11 +620,11 @@ def run_eval(
     if until_idle_s is not None and until_idle_s < 0:
         raise ConfigError(f"until_idle_s must be >= 0 seconds, got {until_idle_s}")
     cfg = config or EvaluatorConfig(group=group, consumer=consumer, start=start, pass_threshold=pass_threshold)
-    handle = open_run(run_dir=run_dir, redis_url=redis_url, run=run)
+    handle = open_run(run_dir=run_dir, redis_url=redis_url, run=run, start_server=start_server)
     try:
         if metrics_path is None and handle.run_dir is not None:
             metrics_path = default_metrics_path(handle.run_dir, cfg.group)
-        evaluator = Evaluator(handle.queue, cfg, metrics_path=metrics_path)
+        evaluator = Evaluator(handle.queue, cfg, metrics_path=metrics_path, scalars=scalars)
         report = evaluator.run(stop=stop, until_idle_s=until_idle_s, reset=reset)
     except redis.ConnectionError as e:
         raise QueueError(f"lost the Redis server of run {handle.run!r} while evaluating: {e}; is it still running? "

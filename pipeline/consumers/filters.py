@@ -7,24 +7,32 @@ like a stale one, gives its pacing slot back, and does not count towards the bat
 
 - ``zero_variance`` (built in): every reward of the group is the same. GRPO's advantage ``r - mean(r)`` is then 0 for
   every sample, so the group adds no gradient, only noise to the loss normaliser and time to the step.
-- ``user``: functions named ``package.module:function``, each called with the group (``list[Sample]``) and returning
-  True to keep it. They are imported and their signatures checked when the recipe loads.
+- ``user``: functions named ``package.module:function``, each called with the group (``list[Sample]``). They return
+  True (or 1.0) to keep it, False (or 0.0) to drop it, or another finite weight >= 0 to keep it with its part of the
+  loss scaled by that weight (several filters' weights multiply). They are imported and their signatures checked when
+  the recipe loads; an answer that is none of these (a negative or NaN weight, a string) stops the drain with an error
+  naming the filter.
+
+A weight travels with its group to the trainer (``Batch.group_weights``, then ``TrainBatch.sample_weights``) and
+multiplies the token losses of the group's samples; the loss normaliser keeps counting their tokens unweighted, so a
+weight of 2 doubles that group's gradient and leaves every other group's as it was (docs/plugins.md).
 
 Light on purpose (no torch): the config imports it.
 """
 
 from __future__ import annotations
 
-import importlib
-import inspect
+import math
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
-from pipeline.errors import ConfigError, SluiceError
+from pipeline.errors import SluiceError
+from pipeline.plugins import Signature, resolve
 from pipeline.queue.sample import Sample
 
 GroupFilterFn = Callable[[list[Sample]], Any]
@@ -39,48 +47,20 @@ class FilterConfig(BaseModel):
     zero_variance: bool = False
     """Drop groups whose rewards are all equal (zero GRPO advantage) and keep drawing until the batch is full."""
     user: list[str] = []
-    """Filters 'package.module:function', each called with one group (list[Sample]) and returning True to keep it."""
+    """Filters 'package.module:function', each called with one group (list[Sample]) and returning True to keep it,
+    False to drop it, or a weight >= 0 that scales the group's loss (0 drops)."""
     max_draw_factor: float | None = Field(default=None, ge=1.0, le=1000.0)
     """Stop drawing for a step once filters removed this many times trainer.batch_groups groups, and train on the
     groups kept so far (a smaller batch); None = draw until the batch is full. Near convergence most groups are all
     right, and filling the batch would cost many times its generation (DAPO caps it with max_num_gen_batches)."""
 
-    @field_validator("user")
-    @classmethod
-    def _importable(cls, specs: list[str]) -> list[str]:
-        for i, spec in enumerate(specs):
-            try:
-                resolve_filter(spec)
-            except ConfigError as e:
-                raise ValueError(f"filters.user[{i}]: {e}") from None
-        return specs
+
+FILTER_SIGNATURE = Signature(args=([],), described="(group: list[Sample]) -> bool | float", awaitable=False)
 
 
-def resolve_filter(spec: str) -> GroupFilterFn:
+def resolve_filter(spec: str, field: str = "filters.user") -> GroupFilterFn:
     """The function an import path ``package.module:function`` names; ConfigError says what is wrong with it."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"group filter {spec!r} is not an import path 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(f"group filter {spec!r}: cannot import {module_name!r} ({e}); is it on PYTHONPATH?") from None
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise ConfigError(f"group filter {spec!r}: module {module_name!r} has no attribute {attr!r}")
-    if not callable(fn):
-        raise ConfigError(f"group filter {spec!r}: {attr!r} is a {type(fn).__name__}, not a function")
-    if inspect.iscoroutinefunction(fn):
-        raise ConfigError(f"group filter {spec!r}: it is async; the trainer calls filters synchronously, so make it a "
-                          "plain function")
-    try:
-        inspect.signature(fn).bind([])
-    except TypeError:
-        raise ConfigError(f"group filter {spec!r}: must take one argument, the group (list[Sample]); its signature "
-                          f"is {inspect.signature(fn)}") from None
-    except ValueError:
-        pass  # a builtin without a signature: trust it
-    return fn  # type: ignore[no-any-return]
+    return resolve(spec, field=field, signature=FILTER_SIGNATURE)
 
 
 def zero_variance(group: Sequence[Sample]) -> bool:
@@ -89,15 +69,51 @@ def zero_variance(group: Sequence[Sample]) -> bool:
     return max(rewards) == min(rewards)
 
 
+@dataclass(frozen=True)
+class FilterVerdict:
+    """What the filters made of one group: dropped (by which filter), or kept with a loss weight."""
+
+    dropped_by: str | None
+    """``"zero_variance"`` or the dropping filter's import path; None when kept."""
+    weight: float = 1.0
+    """The product of the user filters' weights (1 = as is)."""
+
+
+def as_weight(answer: Any, spec: str) -> float:
+    """A filter's answer as a weight: True/False are 1/0, a number must be finite and >= 0; anything else raises."""
+    if isinstance(answer, bool | np.bool_):
+        return 1.0 if answer else 0.0
+    if isinstance(answer, numbers.Real):
+        weight = float(answer)
+        if math.isfinite(weight) and weight >= 0:
+            return weight
+        raise SluiceError(f"group filter {spec!r} returned the weight {answer!r}; a weight must be finite and >= 0 "
+                          "(0 drops the group, 1 keeps it, another value scales its loss)")
+    raise SluiceError(f"group filter {spec!r} returned {type(answer).__name__} {answer!r}; it must return True (keep "
+                      "the group), False (drop it) or a weight >= 0 (scale its loss)")
+
+
 @dataclass
 class FilterCounts:
-    """Groups and samples a batch's filters removed (on ``Batch.filters``); add them up across steps with ``+=``."""
+    """Groups and samples a batch's filters removed or reweighted (on ``Batch.filters``); add them up across steps
+    with ``+=``."""
 
     groups_zero_variance: int = 0
     groups_user: int = 0
     samples: int = 0
     capped: int = 0
     """Steps whose draw stopped at filters.max_draw_factor with a partial batch."""
+    groups_reweighted: int = 0
+    """Kept groups whose weight is not 1."""
+    groups_kept: int = 0
+    weight_sum: float = 0.0
+    """Sum of the kept groups' weights (for the mean weight)."""
+
+    def record_kept(self, weight: float) -> None:
+        """Count one group that passed the filters with ``weight``."""
+        self.groups_kept += 1
+        self.weight_sum += weight
+        self.groups_reweighted += int(weight != 1.0)
 
     def record(self, reason: str, num_samples: int) -> None:
         """Count one removed group; ``reason`` is what :meth:`GroupFilters.check` returned."""
@@ -118,8 +134,12 @@ class FilterCounts:
         return self
 
     def as_metrics(self, prefix: str = "filter/") -> dict[str, float]:
-        """``filter/groups_zero_variance``, ``filter/groups_user`` and ``filter/samples``."""
-        return {f"{prefix}{f.name}": float(getattr(self, f.name)) for f in fields(self)}
+        """``filter/groups_zero_variance``, ``groups_user``, ``samples`` (removed), ``capped``,
+        ``groups_reweighted`` and ``weight_mean`` (over the kept groups; 1 when none was kept)."""
+        removed = ("groups_zero_variance", "groups_user", "samples", "capped", "groups_reweighted")
+        out = {f"{prefix}{name}": float(getattr(self, name)) for name in removed}
+        out[f"{prefix}weight_mean"] = self.weight_sum / self.groups_kept if self.groups_kept else 1.0
+        return out
 
 
 class GroupFilters:
@@ -129,7 +149,8 @@ class GroupFilters:
         cfg = cfg or FilterConfig()
         self.zero_variance = cfg.zero_variance
         self.max_draw_factor = cfg.max_draw_factor
-        self.user: list[tuple[str, GroupFilterFn]] = [(spec, resolve_filter(spec)) for spec in cfg.user]
+        self.user: list[tuple[str, GroupFilterFn]] = [(spec, resolve_filter(spec, f"filters.user[{i}]"))
+                                                       for i, spec in enumerate(cfg.user)]
 
     @property
     def active(self) -> bool:
@@ -144,13 +165,21 @@ class GroupFilters:
 
     def check(self, group: list[Sample]) -> str | None:
         """Why the group is dropped (``"zero_variance"`` or the user filter's import path), or None to keep it."""
+        return self.weigh(group).dropped_by
+
+    def weigh(self, group: list[Sample]) -> FilterVerdict:
+        """Run the filters in order: the first that drops the group decides; kept groups get the product of the
+        weights."""
         if self.zero_variance and zero_variance(group):
-            return ZERO_VARIANCE
+            return FilterVerdict(ZERO_VARIANCE, 0.0)
+        weight = 1.0
         for spec, fn in self.user:
-            keep = fn(list(group))  # a copy: a filter that edits its list must not change what is trained
-            if not isinstance(keep, bool | np.bool_):
-                raise SluiceError(f"group filter {spec!r} returned {type(keep).__name__}; it must return True (keep "
-                                  "the group) or False (drop it)")
-            if not keep:
-                return spec
-        return None
+            try:
+                answer = fn(list(group))  # a copy: a filter that edits its list must not change what is trained
+            except Exception as e:  # re-raised naming the filter: a bare traceback from user code names no field
+                raise SluiceError(f"group filter {spec!r} raised {type(e).__name__}: {e}") from e
+            w = as_weight(answer, spec)
+            if w == 0.0:
+                return FilterVerdict(spec, 0.0)
+            weight *= w
+        return FilterVerdict(None, weight)

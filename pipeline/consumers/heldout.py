@@ -56,12 +56,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pipeline.consumers.evaluator import default_metrics_path, reward_passed
 from pipeline.consumers.snapshots import SNAPSHOTS_DIR, is_done, list_snapshots, mark_done, snapshot_name
 from pipeline.errors import ConfigError, EngineError
+from pipeline.metrics import ScalarSink, open_sinks
+from pipeline.models.spec import engine_patch_args
 
 if TYPE_CHECKING:
     from pipeline.config import SluiceConfig
     from pipeline.producers.base import GenerateResult
     from pipeline.producers.prompts import Prompt
-    from pipeline.producers.rewards import RewardFn
+    from pipeline.producers.rewards import RewardFn, RewardScorer
+    from pipeline.producers.rollout import RolloutContext, RolloutFn, TextCodec, Trajectory
     from pipeline.sync.base import EngineReply
 
 log = logging.getLogger(__name__)
@@ -159,6 +162,14 @@ class PromptOutcome:
     reward_failures: int = 0
     truncated: int = 0
     response_tokens: int = 0
+
+
+def _response_tokens(result: GenerateResult | Trajectory) -> int:
+    """Tokens the model generated (a trajectory's environment turns are not the model's)."""
+    turns = getattr(result, "model_turns", None)
+    if turns is not None:
+        return sum(len(t.ids) for t in turns)
+    return len(result.output_ids)  # type: ignore[union-attr]
 
 
 def summarize(outcomes: Sequence[PromptOutcome], ks: Sequence[int]) -> dict[str, Any]:
@@ -273,8 +284,10 @@ class HeldoutEvaluator:
     """Evaluates snapshots on the held-out prompts through one engine and appends their lines (module docstring)."""
 
     def __init__(self, settings: HeldoutSettings, *, engine: HeldoutEngine, prompts: Sequence[Prompt],
-                 tokenize: Callable[[str], Sequence[int]], reward_fn: RewardFn, metrics_path: str | Path,
-                 run: str = "") -> None:
+                 tokenize: Callable[[str], Sequence[int]], reward_fn: RewardFn | RewardScorer,
+                 metrics_path: str | Path,
+                 run: str = "", scalars: ScalarSink | None = None, rollout_fn: RolloutFn | None = None,
+                 codec: TextCodec | None = None) -> None:
         if not prompts:
             raise ConfigError("the held-out split is empty; set prompts.heldout or prompts.heldout_path")
         self.s = settings
@@ -286,8 +299,12 @@ class HeldoutEvaluator:
         if empty:
             raise ConfigError(f"held-out prompts {empty[:5]} tokenize to nothing; give them some text")
         self.reward_fn = reward_fn
+        self.rollout_fn = rollout_fn
+        """The recipe's rollout function (multi-turn, tools); None: one plain request per set of samples."""
+        self.codec = codec
         self.metrics_path = Path(metrics_path)
         self.run = run
+        self.scalars = scalars  # TensorBoard (and W&B) beside the JSONL, keyed by policy version
 
     def evaluated(self) -> set[int]:
         """Versions that have a held-out line already."""
@@ -310,13 +327,15 @@ class HeldoutEvaluator:
                                 "max_new_tokens": self.s.max_new_tokens, **(extra or {}),
                                 "seconds": round(time.perf_counter() - start, 3)}
         append_line(self.metrics_path, line)
+        if self.scalars is not None:
+            self.scalars.add(line, version, prefix="heldout/")
         log.info("held-out v%d: greedy pass@1 %.3f, sampled pass@1 %.3f, %s (%d prompts, %.1fs)", version,
                  line["greedy_pass1"], line["sampled_pass1"] or 0.0, line["pass_at_k"], line["prompts"],
                  line["seconds"])
         return line
 
     async def _prompt(self, i: int, version: int, gate: asyncio.Semaphore) -> PromptOutcome:
-        from pipeline.producers.rewards import score
+        from pipeline.producers.rewards import RewardScorer, score
 
         s, ids, prompt = self.s, self.prompt_ids[i], self.prompts[i]
         common: dict[str, Any] = {"max_new_tokens": s.max_new_tokens}
@@ -326,22 +345,48 @@ class HeldoutEvaluator:
         sampled_params = {**common, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
                           "n": s.samples, "sampling_seed": s.seed + i * s.samples}
         async with gate:
-            greedy, sampled = await asyncio.gather(
-                self.engine.generate_many([ids], greedy_params, return_logprob=False),
-                self.engine.generate_many([ids], sampled_params, return_logprob=False))
-        results = [*greedy, *sampled]
-        wrong = {r.weight_version for r in results} - {str(version)}
+            if self.rollout_fn is None:
+                greedy, sampled = await asyncio.gather(
+                    self.engine.generate_many([ids], greedy_params, return_logprob=False),
+                    self.engine.generate_many([ids], sampled_params, return_logprob=False))
+                results: list[Any] = [*greedy, *sampled]
+                versions = {r.weight_version for r in results}
+            else:
+                results = await self._rollouts(prompt, ids, greedy_params, sampled_params)
+                versions = {v for t in results for turn in t.model_turns for v in turn.versions}
+        wrong = versions - {str(version)}
         if wrong:
             raise EngineError(f"held-out responses for v{version} came from weight version(s) {sorted(wrong)}: "
                               "something else loads weights into the evaluation engine; give the evaluator an "
                               "engine of its own (eval.heldout.engine_url)")
-        scored = await asyncio.gather(*(score(self.reward_fn, prompt, r.text, s.reward_timeout_s) for r in results))
+        if isinstance(self.reward_fn, RewardScorer):  # a group judge or reward service: the producers' own scorer
+            scored = await self.reward_fn.score_group(prompt, [r.text for r in results])
+        else:
+            scored = await asyncio.gather(*(score(self.reward_fn, prompt, r.text, s.reward_timeout_s)
+                                            for r in results))
         verdicts = [not o.failed and reward_passed(o.reward, o.info, s.pass_threshold) for o in scored]
         return PromptOutcome(
             prompt_id=prompt.prompt_id, greedy_passed=verdicts[0], greedy_reward=scored[0].reward,
             passed=verdicts[1:], rewards=[o.reward for o in scored[1:]],
             reward_failures=sum(o.failed for o in scored), truncated=sum(r.finish_reason == "length" for r in results),
-            response_tokens=sum(len(r.output_ids) for r in results))
+            response_tokens=sum(_response_tokens(r) for r in results))
+
+    async def _rollouts(self, prompt: Prompt, ids: list[int], greedy: Mapping[str, Any],
+                        sampled: Mapping[str, Any]) -> list[Trajectory]:
+        """The greedy trajectory, then the sampled ones, from the recipe's rollout function (as the producer calls
+        it, with the evaluation's sampling); a function that fails here fails the evaluation, loudly."""
+        from pipeline.producers.rollout import RolloutContext, RolloutEngine
+
+        engine = RolloutEngine(self.engine, self.codec, routing=False)  # type: ignore[arg-type]
+
+        def context(params: Mapping[str, Any]) -> RolloutContext:
+            rest = {k: v for k, v in params.items() if k not in ("n", "sampling_seed")}
+            return RolloutContext(prompt=prompt, prompt_ids=tuple(ids), n=int(params["n"]), engine=engine,
+                                  codec=self.codec, sampling=rest, seed=params.get("sampling_seed"))
+
+        assert self.rollout_fn is not None
+        first, rest = await asyncio.gather(self.rollout_fn(context(greedy)), self.rollout_fn(context(sampled)))
+        return [*first, *rest]
 
     async def evaluate_pending(self, root: str | Path) -> list[dict[str, Any]]:
         """Evaluate every snapshot under ``root`` without a line yet, oldest first (a finished run)."""
@@ -446,9 +491,12 @@ class CheckpointExporter:
         from pipeline.consumers.megatron.model import build_gpt_model, init_parallel
 
         torch.set_num_threads(1)
-        self._model_cfg = ModelConfig.from_hf(json.loads((self.model_dir / "config.json").read_text()))
+        hf_config = json.loads((self.model_dir / "config.json").read_text())
+        self._model_cfg = ModelConfig.from_hf(hf_config)
         init_parallel(ParallelConfig(), seed=self.cfg.run.seed)
-        self._model = build_gpt_model(self._model_cfg, ParallelConfig(), r3=self.cfg.trainer.r3)
+        # The trainer's model.spec too: its checkpoints hold the user modules' weights, and the export must carry them.
+        self._model = build_gpt_model(self._model_cfg, ParallelConfig(), r3=self.cfg.trainer.r3,
+                                      spec=self.cfg.model.spec, hf_config=hf_config)
 
     def close(self) -> None:
         if self._model is not None:
@@ -469,7 +517,7 @@ class PrivateEngine:
 
     @classmethod
     def start(cls, model_dir: Path, log_path: Path, *, dtype: str = "float32", max_batch: int = 32,
-              seed: int = 0, timeout_s: float = 120.0) -> PrivateEngine:
+              seed: int = 0, timeout_s: float = 120.0, extra_args: Sequence[str] = ()) -> PrivateEngine:
         import httpx
 
         from pipeline.queue.redis_server import free_port
@@ -479,7 +527,7 @@ class PrivateEngine:
         out = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
         cmd = [sys.executable, "-m", "pipeline.producers.cpu_engine", str(model_dir), "--host", "127.0.0.1",
                "--port", str(port), "--dtype", dtype, "--max-batch", str(max_batch), "--num-threads", "1",
-               "--seed", str(seed), "--log-level", "warning"]
+               "--seed", str(seed), "--log-level", "warning", *extra_args]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                 preexec_fn=_die_with_parent)
@@ -538,9 +586,9 @@ def _model_dir(run_dir: Path, cfg: SluiceConfig) -> Path:
 @asynccontextmanager
 async def open_heldout(run_dir: str | Path, cfg: SluiceConfig) -> AsyncIterator[HeldoutEvaluator]:
     """A held-out evaluator of the run, with its engine (a private CPU engine unless ``eval.heldout.engine_url``)."""
-    from pipeline.producers.producer import load_tokenize
+    from pipeline.producers.producer import BUILTIN_ROLLOUT, load_codec, load_tokenize, resolve_rollout
     from pipeline.producers.prompts import setup_heldout
-    from pipeline.producers.rewards import resolve_reward
+    from pipeline.producers.rewards import resolve_reward, setup_scorer
     from pipeline.producers.sglang_client import SGLangClient
 
     run_dir = Path(run_dir)
@@ -548,21 +596,32 @@ async def open_heldout(run_dir: str | Path, cfg: SluiceConfig) -> AsyncIterator[
     held = setup_heldout(cfg.prompts)
     prompts = [held[i] for i in range(min(len(held), h.max_prompts or len(held)))]
     model_dir = _model_dir(run_dir, cfg)
-    reward_fn = resolve_reward(cfg.producer.reward)
+    p = cfg.producer
+    # The held-out split is scored as the producers score: a group judge sees each prompt's greedy and sampled
+    # responses together, a reward service gets them in one request.
+    scorer = setup_scorer(p) if p.group_reward is not None or p.reward_url is not None else None
+    reward_fn = scorer or resolve_reward(p.reward)
+    rollout_fn = None if p.rollout == BUILTIN_ROLLOUT else resolve_rollout(p.rollout)
     private = None
     url = h.engine_url
     if url is None:
         # Started from this (the loop's) thread, not a worker: PR_SET_PDEATHSIG fires when the creating thread ends.
         private = PrivateEngine.start(model_dir, run_dir / "logs" / "heldout-engine.log", dtype=cfg.engine.dtype,
-                                      max_batch=h.max_batch, seed=cfg.run.seed, timeout_s=h.startup_timeout_s)
+                                      max_batch=h.max_batch, seed=cfg.run.seed, timeout_s=h.startup_timeout_s,
+                                      extra_args=engine_patch_args(cfg.model.engine_patch, cfg.plugins.paths))
         url = private.url
     client = SGLangClient(url)
+    scalars = open_sinks(run_dir, "evaluator", cfg.metrics, cfg.run.name)
     try:
         yield HeldoutEvaluator(HeldoutSettings.from_config(cfg), engine=client, prompts=prompts,
                                tokenize=load_tokenize(model_dir), reward_fn=reward_fn,
-                               metrics_path=default_metrics_path(run_dir), run=cfg.run.name)
+                               metrics_path=default_metrics_path(run_dir), run=cfg.run.name, scalars=scalars,
+                               rollout_fn=rollout_fn, codec=load_codec(model_dir) if rollout_fn else None)
     finally:
+        scalars.close()
         await client.close()
+        if scorer is not None:
+            await scorer.close()
         if private is not None:
             private.stop()
 
@@ -615,7 +674,12 @@ def serve_evaluators(run_dir: str | Path, cfg: SluiceConfig, stop: threading.Eve
     def stream() -> None:
         try:
             fields = cfg.eval.model_dump(exclude={"enabled", "heldout"})
-            run_eval(run_dir=run_dir, config=EvaluatorConfig(**fields), stop=stop)
+            scalars = open_sinks(run_dir, "eval-stream", cfg.metrics, cfg.run.name)
+            try:
+                run_eval(run_dir=run_dir, config=EvaluatorConfig(**fields), stop=stop, scalars=scalars,
+                         start_server=False)
+            finally:
+                scalars.close()
         except BaseException as exc:  # handed to the main thread, which raises it
             errors.append(exc)
             stop.set()

@@ -260,6 +260,7 @@ def policy_loss(
     logits: Tensor | None = None,
     entropy: Tensor | None = None,
     normalizer: float | None = None,
+    sample_weights: Tensor | None = None,
 ) -> LossOutput:
     """The decoupled PPO loss over ``[B, T]`` per-token log-probs (see the module docstring).
 
@@ -267,7 +268,9 @@ def policy_loss(
     ratio is current/behaviour). ``advantages`` is per sequence ``[B]`` or per token ``[B, T]``. ``ref`` is needed
     when ``kl_coef > 0``; ``logits`` (``[B, T, V]``, already temperature-scaled) or ``entropy`` (``[B, T]``) when
     ``entropy_coef > 0``, otherwise they only feed the entropy metric. Pad positions must be 0 in ``loss_mask``;
-    the log-prob and advantage values there are ignored, even NaN or inf.
+    the log-prob and advantage values there are ignored, even NaN or inf. ``sample_weights`` ``[B]`` (a group
+    filter's weights) multiply each sample's token losses, pg, KL and entropy alike; the normaliser still counts
+    tokens (or sequences) unweighted, so a weight scales that sample's share of the gradient and nothing else.
     """
     _check_same_shape(current=current, behaviour=behaviour, loss_mask=loss_mask)
     if current.dim() != 2:
@@ -292,6 +295,14 @@ def policy_loss(
     if ent is not None:
         parts["entropy"] = ent
         token_loss = token_loss - cfg.entropy_coef * ent
+
+    if sample_weights is not None:
+        if sample_weights.shape != current.shape[:1]:
+            raise SluiceError(f"sample_weights of shape {tuple(sample_weights.shape)} must be [B] = "
+                              f"({current.shape[0]},)")
+        rows = sample_weights.detach().float().unsqueeze(-1)
+        token_loss = token_loss * rows
+        parts = {name: v * rows for name, v in parts.items()}
 
     def agg(v: Tensor) -> Tensor:
         return aggregate(v, mask, cfg.aggregation, norm_length=cfg.norm_length, normalizer=normalizer)

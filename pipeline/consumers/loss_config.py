@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pipeline.errors import ConfigError
+from pipeline.plugins import Signature, split_ref
 
 _ICEPOP_BOUNDS = (0.5, 5.0)
 _MIS_BOUNDS = (0.0, 2.0)
@@ -71,6 +72,36 @@ class CorrectionConfig(BaseModel):
         )
 
 
+#: The call sluice makes to a loss plug-in (a term or the replacement): one ``LossInputs`` (docs/plugins.md).
+LOSS_PLUGIN_SIGNATURE = Signature(args=(None,), described="(inputs: LossInputs) -> (scalar tensor, dict[str, float])",
+                                  awaitable=False)
+
+
+class LossTermConfig(BaseModel):
+    """One ``[[trainer.loss.terms]]`` entry: a user term added to the policy loss, ``coef * fn(inputs)``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    fn: str
+    """The term, 'package.module:function', called with a LossInputs per micro-batch; returns (scalar, metrics)."""
+
+    coef: float = Field(default=1.0, ge=-1e6, le=1e6)
+    """Multiplies the term before it is added to the loss (negative: the term is maximised)."""
+
+    name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]+$", max_length=64)
+    """Its metrics go under loss/<name>/; None = the function's name."""
+
+    def label(self) -> str:
+        """The name its metrics go under."""
+        return self.name or plugin_name(self.fn)
+
+
+def plugin_name(ref: str) -> str:
+    """The default metrics name of a loss plug-in: the function's own name (``pkg.mod:length_penalty`` ->
+    ``length_penalty``)."""
+    return ref.rpartition(":")[2].rpartition(".")[2] or ref
+
+
 class LossConfig(BaseModel):
     """The policy-gradient loss."""
 
@@ -106,3 +137,45 @@ class LossConfig(BaseModel):
 
     correction: CorrectionConfig = Field(default_factory=CorrectionConfig)
     """The off-policy correction of the importance weight proximal/behaviour."""
+
+    terms: list[LossTermConfig] = []
+    """Auxiliary loss terms, each {fn = "package.module:function", coef = 0.01}, added to the policy loss."""
+
+    replace: str | None = None
+    """'package.module:function' computing the whole policy loss instead of the built-in one (the terms are still
+    added); None = the built-in decoupled PPO loss."""
+
+    entropy_grad: bool = False
+    """Hand loss plug-ins an entropy that carries gradient (a term that raises entropy needs it); it keeps the
+    [B, T, V] softmax graph alive, so it is off unless asked for (entropy_coef > 0 turns it on anyway)."""
+
+    @model_validator(mode="after")
+    def _check_plugins(self) -> LossConfig:
+        for i, term in enumerate(self.terms):
+            split_ref(term.fn, f"trainer.loss.terms[{i}].fn")
+        if self.replace is not None:
+            split_ref(self.replace, "trainer.loss.replace")
+            if self.entropy_coef > 0:
+                raise ConfigError(
+                    f"trainer.loss.entropy_coef = {self.entropy_coef} belongs to the built-in loss, which "
+                    f"trainer.loss.replace = {self.replace!r} replaces; set it to 0 and add the bonus in the "
+                    "replacement (inputs.entropy, with trainer.loss.entropy_grad = true) or as a term"
+                )
+        names = [t.label() for t in self.terms] + ([plugin_name(self.replace)] if self.replace else [])
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ConfigError(f"loss plug-ins share the metrics name(s) {twice}; give each [[trainer.loss.terms]] "
+                              "entry its own name = \"...\"")
+        return self
+
+    @property
+    def has_plugins(self) -> bool:
+        """Whether any user term or a replacement is configured."""
+        return bool(self.terms) or self.replace is not None
+
+    def plugin_refs(self, prefix: str = "trainer.loss") -> list[tuple[str, str, Signature]]:
+        """(recipe field, import path, call) of every loss plug-in, for ``SluiceConfig.plugin_refs``."""
+        refs = [(f"{prefix}.terms[{i}].fn", t.fn, LOSS_PLUGIN_SIGNATURE) for i, t in enumerate(self.terms)]
+        if self.replace is not None:
+            refs.append((f"{prefix}.replace", self.replace, LOSS_PLUGIN_SIGNATURE))
+        return refs

@@ -190,8 +190,10 @@ class LocalUpdater:
 def _tp_partial(name: str, param: Tensor, config: Any) -> bool:
     # Weights replicated across TP ranks whose gradient each rank sees only in part: the q/k norms act on the rank's
     # own heads, and under sequence parallelism the norms see only the rank's slice of tokens. megatron's
-    # finalize_model_grads sums these over TP; without its DDP, sluice must do the same.
-    qk_norm = config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)
+    # finalize_model_grads sums these over TP; without its DDP, sluice must do the same. MLA's q/kv norms act on the
+    # whole (gathered) latent, so each TP rank already holds their full gradient.
+    per_head = config.qk_layernorm and not getattr(config, "multi_latent_attention", False)
+    qk_norm = per_head and ("q_layernorm" in name or "k_layernorm" in name)
     return bool(qk_norm or (config.sequence_parallel and getattr(param, "sequence_parallel", False)))
 
 

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from pipeline.consumers.batch import TrainBatch
-from pipeline.consumers.loss import LossConfig, kl_penalty, policy_loss
+from pipeline.consumers.loss import LossConfig, aggregate, kl_penalty, policy_loss
+from pipeline.consumers.loss_plugins import LossInputs, LossPlugins, local_units
 from pipeline.consumers.megatron.config import ModelConfig
 from pipeline.consumers.megatron.model import forward_logits, model_device
 from pipeline.consumers.megatron.router_replay import RouterReplay, topk_match
@@ -78,6 +79,7 @@ class Passes:
         self._replay = RouterReplay.for_model(model_cfg) if replay_capable else None
         self.reference, self._reference_hooks = self._adopt_reference(reference)
         self._probe = RouterProbe(model, model_cfg.moe_topk) if model_cfg.is_moe else None
+        self.plugins = LossPlugins(cfg.loss)
 
     def _adopt_reference(self, reference: torch.nn.Module | None) -> tuple[torch.nn.Module | None, list[Any]]:
         """(the frozen reference or None, its replay hooks): checks it fits the config and the policy."""
@@ -95,7 +97,7 @@ class Passes:
             return None, []
         _check_reference(self.model, reference)
         hooks = replay_hooks(reference)
-        if self._replay is not None and self.cfg.r3 and len(hooks) != self.model_cfg.num_layers:
+        if self._replay is not None and self.cfg.r3 and len(hooks) != self.model_cfg.num_moe_layers:
             raise ConfigError(
                 "r3=True with a KL penalty needs the reference built with build_gpt_model(..., r3=True) too, so it "
                 "scores under the same replayed routing as the policy; rebuild the reference or set r3=false"
@@ -151,14 +153,19 @@ class Passes:
         if probing:
             self._probe.start()  # type: ignore[union-attr]
         try:
+            # Under replay the routers count (for the expert-bias update) only positions whose experts the engine
+            # chose: each row's last token has filler experts (the engine never fed it), and padding has too.
+            counted = mb.routing_mask if replay else mb.attention_mask.bool()
             with torch.set_grad_enabled(grad):
-                logits = forward_logits(model, mb.input_ids.to(device), mb.attention_mask.to(device))
+                logits = forward_logits(model, mb.input_ids.to(device), mb.attention_mask.to(device),
+                                        padding_mask=~counted.to(device))
                 logprobs, ent = score_tokens(
                     logits,
                     mb.targets,
                     mb.temperatures,
                     entropy=entropy,
-                    entropy_grad=self.cfg.loss.entropy_coef > 0,
+                    entropy_grad=self.cfg.loss.entropy_coef > 0
+                    or (self.cfg.loss.entropy_grad and self.cfg.loss.has_plugins),
                 )
         finally:
             if not grad and self._replay is not None:
@@ -234,23 +241,72 @@ class Passes:
             logprobs, ent, used = self.forward(
                 mb, replay=self.replays(mb), grad=True, entropy=True, probe=mb.routing is not None
             )
-            out = policy_loss(
-                logprobs,
-                mb.behaviour_logprobs.to(device),
-                mb.advantages.to(device),
-                mb.loss_mask.to(device),
-                norms.loss_cfg,
-                proximal=proximal.to(device),
-                ref=None if reference is None else reference.to(device),
-                entropy=ent,
-                normalizer=norms.normalizer,
-            )
-            out.loss.backward()
+            prox = proximal.to(device)
+            ref = None if reference is None else reference.to(device)
+            if self.plugins.replace is None:
+                out = policy_loss(
+                    logprobs,
+                    mb.behaviour_logprobs.to(device),
+                    mb.advantages.to(device),
+                    mb.loss_mask.to(device),
+                    norms.loss_cfg,
+                    proximal=prox,
+                    ref=ref,
+                    entropy=ent,
+                    normalizer=norms.normalizer,
+                    sample_weights=mb.sample_weights.to(device),
+                )
+                loss, metrics = out.loss, out.metrics
+            else:
+                loss, metrics = self._replaced_loss(mb, logprobs, ent, norms)
+            if self.plugins.active and mb.num_loss_tokens > 0:
+                loss, metrics = self._with_plugins(mb, logprobs, prox, ref, ent, norms, loss, metrics)
+            loss.backward()
         finally:
             # megatron keeps the replay indices (and a backward-replay list) until cleared.
             if self._replay is not None:
                 self._replay.off()
-        acc.add_loss_metrics(out.metrics)
+        acc.add_loss_metrics(metrics)
         if used is not None:
             hits, pairs = self._agreement(used, mb)
             acc.add(agree_train_hits=hits, agree_train_total=pairs)
+
+    # ------------------------------------------------------------------------------------------------ loss plug-ins
+
+    def _replaced_loss(self, mb: TrainBatch, logprobs: Tensor, ent: Tensor | None,
+                       norms: Norms) -> tuple[Tensor, dict[str, float]]:
+        """Under ``loss.replace``: no built-in loss, only its token count and entropy metric. The zero keeps the
+        graph connected for a micro-batch that holds no loss tokens (a rank's placeholder still runs backward)."""
+        mask = mb.loss_mask.to(logprobs.device)
+        loss = torch.where(mask, logprobs, 0.0).sum() * 0.0
+        metrics = {"num_tokens": float(mb.num_loss_tokens)}
+        if ent is not None:
+            cfg = norms.loss_cfg
+            metrics["entropy"] = float(aggregate(ent.detach().float(), mask, cfg.aggregation,
+                                                 norm_length=cfg.norm_length, normalizer=norms.normalizer).item())
+        return loss, metrics
+
+    def _with_plugins(self, mb: TrainBatch, logprobs: Tensor, prox: Tensor, ref: Tensor | None, ent: Tensor | None,
+                      norms: Norms, loss: Tensor, metrics: dict[str, float]) -> tuple[Tensor, dict[str, float]]:
+        """The loss with the replacement and the terms, each scaled by this micro-batch's share of the step."""
+        device = logprobs.device
+        cfg = norms.loss_cfg
+        inputs = LossInputs(
+            logprobs=logprobs, proximal=prox, behaviour=mb.behaviour_logprobs.to(device),
+            advantages=mb.advantages.to(device), loss_mask=mb.loss_mask.to(device),
+            sample_weights=mb.sample_weights.to(device), token_versions=mb.token_versions.to(device),
+            rewards=mb.rewards.to(device), group_index=mb.group_index.to(device), targets=mb.targets.to(device),
+            ref=ref, entropy=ent, aux_losses={}, sample_ids=mb.sample_ids, aggregation=cfg.aggregation,
+            norm_length=cfg.norm_length or mb.seq_len - 1,
+            share=local_units(mb.loss_mask, mb.sample_ids, cfg.aggregation) / norms.normalizer,
+        )
+        metrics = dict(metrics)
+        if self.plugins.replace is not None:
+            loss, extra = self.plugins.replacement(inputs)
+            metrics.update(extra)
+        terms, extra = self.plugins.add_terms(inputs)
+        metrics.update(extra)
+        if terms is not None:
+            loss = loss + terms
+        metrics["loss"] = float(loss.detach().item())
+        return loss, metrics

@@ -211,6 +211,7 @@ class SFTTrainer:
 
     def step(self) -> dict[str, float]:
         """Train on the next batch; returns its loss, token accuracy, lr and gradient norm."""
+        from pipeline.consumers.megatron.expert_bias import update_expert_bias
         from pipeline.consumers.megatron.model import forward_logits
 
         lr = lr_at(self.steps_done, self.cfg.lr, self.cfg.schedule, total_steps=self.cfg.steps)
@@ -232,8 +233,9 @@ class SFTTrainer:
             raise SluiceError(f"the warm start diverged at step {self.steps_done} (loss {loss_sum}, gradient norm "
                               f"{float(norm)}); lower warmstart.lr or set warmstart.grad_clip")
         self.optimizer.step()
+        balance = update_expert_bias(self.model, self.cfg.expert_bias_update_rate)
         self.steps_done += 1
-        return {"loss": loss_sum, "token_accuracy": right / max(targets, 1),
+        return balance | {"loss": loss_sum, "token_accuracy": right / max(targets, 1),
                 "exact_match": rows_right / batch.input_ids.shape[0], "lr": lr, "grad_norm": float(norm),
                 "targets": float(targets)}
 
@@ -348,8 +350,9 @@ def greedy_exact_match(model_dir: Path, prompts: Sequence[Prompt], *, batch_size
 
 
 # ---------------------------------------------------------------------------------------------------------- driver
-def build_sft_model(model_dir: Path, seed: int) -> tuple[Any, Any, torch.dtype]:
-    """(megatron model in float32, its ModelConfig, the checkpoint's own dtype) on a world of one process."""
+def build_sft_model(model_dir: Path, seed: int, spec: str | None = None) -> tuple[Any, Any, torch.dtype]:
+    """(megatron model in float32, its ModelConfig, the checkpoint's own dtype) on a world of one process; ``spec``
+    is the run's ``model.spec``."""
     import torch.distributed as dist
 
     from pipeline.consumers.megatron.adapter import torch_dtype
@@ -366,8 +369,12 @@ def build_sft_model(model_dir: Path, seed: int) -> tuple[Any, Any, torch.dtype]:
     if dist.get_world_size() != 1:
         raise ConfigError(f"the warm start runs in one process, but this one joined a world of "
                           f"{dist.get_world_size()} (RANK/WORLD_SIZE are set); run it without a launcher")
-    model = build_gpt_model(model_cfg, parallel, r3=False)
+    model = build_gpt_model(model_cfg, parallel, r3=False, spec=spec, hf_config=hf_config)
     load_hf_into_megatron(model, model_dir, model_cfg)
+    if spec is not None:
+        from pipeline.consumers.megatron.convert import check_exportable
+
+        check_exportable(model, model_cfg)  # the warm-started model is exported as HF: refuse now, not after training
     return model, model_cfg, own_dtype
 
 
@@ -458,7 +465,7 @@ def run_warmstart(cfg: SluiceConfig, run_dir: Path, base_model: Path) -> dict[st
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     data = SFTData(pairs, pad)
     try:
-        model, model_cfg, own_dtype = build_sft_model(base_model, cfg.run.seed)
+        model, model_cfg, own_dtype = build_sft_model(base_model, cfg.run.seed, cfg.model.spec)
         if data.max_length > model_cfg.max_position_embeddings:
             raise ConfigError(f"{where} has pairs of {data.max_length} tokens, longer than the model's "
                               f"max_position_embeddings={model_cfg.max_position_embeddings}; shorten them")

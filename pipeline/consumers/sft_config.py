@@ -51,6 +51,9 @@ class WarmStartConfig(BaseModel):
     """AdamW second-moment decay."""
     grad_clip: float | None = Field(default=1.0, gt=0.0, le=1e6)
     """Clip the gradient norm to this; None = no clipping."""
+    expert_bias_update_rate: float = Field(default=1e-3, ge=0.0, le=1.0)
+    """Per step, how far each expert's routing bias moves toward balance (megatron's moe_router_bias_update_rate);
+    only for routers with an expert bias (DeepSeek-V3). 0 keeps the bias as loaded."""
     path: Path | None = None
     """A JSONL file of {"prompt", "answer"} records; None = the training split of [prompts] (never the held-out)."""
     seed: int = Field(default=0, ge=0)

@@ -12,12 +12,16 @@ Definitions (see ARCHITECTURE.md, "Versions and staleness"):
 - A group's lag is the MAX lag over its samples. GRPO normalises rewards within a group, so the group is trained or
   discarded as a unit, and the oldest sample decides.
 - A group is *fresh* when ``lag <= max_lag``: ``lag == max_lag`` still trains, ``max_lag + 1`` does not.
+- After a trainer rolled back to a checkpoint, versions form a tree (:class:`Lineage`, docs/versions.md): a sample's
+  lag is then its distance from the current weights along that tree, in optimizer steps, not the difference of the
+  counters.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -209,20 +213,84 @@ class StalenessResult:
         return tuple(d.lag for d in self.decisions)
 
 
-def group_lag(group: GroupVersions, current_version: int, lag_from: Literal["version_min", "version_max"]) -> int:
-    """The group's lag: ``current_version`` minus the oldest counted version; 0 if no sample has tokens."""
+@dataclass(frozen=True)
+class Lineage:
+    """Which weights each policy version holds (docs/versions.md).
+
+    Version ``v`` holds the weights one optimizer step after those of ``v - 1``, except the first version a trainer
+    pushed after resuming from a checkpoint (a *restore*): that one holds exactly the weights of an older version,
+    the checkpoint's, its *base*. The versions thus form a tree rooted at 0, and the distance between two versions
+    is the number of optimizer steps on the path between them (a restore's edge to its base costs none). Without
+    restores it is the difference of the counters.
+    """
+
+    restores: Mapping[int, int] = field(default_factory=dict)
+    """First version of a restored branch -> the version whose weights it holds (always an older one)."""
+
+    def __post_init__(self) -> None:
+        for start, base in self.restores.items():
+            if not 0 <= base < start:
+                raise SluiceError(f"lineage: restore {start} -> {base}; a restore holds an older version's weights")
+
+    def _chain(self, version: int) -> list[tuple[int, int, int]]:
+        """``version``'s ancestry as (low, high, steps from ``version`` to high), newest segment first; each segment
+        is a run of consecutive versions, and a segment's low is a restore start whose base is the next's high."""
+        starts = sorted(self.restores)
+        chain, steps, high = [], 0, version
+        while True:
+            i = bisect.bisect_right(starts, high) - 1
+            low = starts[i] if i >= 0 else 0
+            chain.append((low, high, steps))
+            if i < 0:
+                return chain
+            steps += high - low
+            high = self.restores[low]
+
+    def distance(self, version: int, current: int) -> int:
+        """Optimizer steps between the weights of ``version`` and those of ``current`` along the tree (through
+        their newest common ancestor); ``current - version`` (negative) for a version newer than ``current``."""
+        if version >= current or not self.restores:
+            return current - version
+        ours = self._chain(current)
+        for low, high, steps in self._chain(version):
+            # The newest version of this segment of the sample's ancestry that is also the trainer's ancestor.
+            common = max((min(high, h) for lo, h, _ in ours if max(low, lo) <= min(high, h)), default=None)
+            if common is not None:
+                to_current = next(s + h - common for lo, h, s in ours if lo <= common <= h)
+                return steps + (high - common) + to_current
+        raise AssertionError("every version descends from version 0")  # the last segment of a chain starts at 0
+
+    def worst(self, low: int, high: int, current: int) -> int:
+        """The largest distance to ``current`` of any version in [low, high] (a sample's tokens): at the ends, or
+        just below a restore start inside the range (the deepest version of an abandoned branch)."""
+        candidates = {low, high, *(s - 1 for s in self.restores if low < s <= high)}
+        return max(self.distance(v, current) for v in candidates)
+
+
+LINEAR = Lineage()
+
+
+def group_lag(group: GroupVersions, current_version: int, lag_from: Literal["version_min", "version_max"],
+              lineage: Lineage = LINEAR) -> int:
+    """The group's lag: ``current_version`` minus the oldest counted version (along ``lineage`` when the trainer
+    ever restored a checkpoint); 0 if no sample has tokens."""
     _check_version(current_version)
-    versions = group.version_min if lag_from == "version_min" else group.version_max
-    present = [v for v in versions if v is not None]
+    pairs = [(lo, hi) for lo, hi in zip(group.version_min, group.version_max) if lo is not None and hi is not None]
     # A group made only of empty responses carries no tokens from any policy, so it cannot be stale.
-    if not present:
+    if not pairs:
         return 0
-    return current_version - min(present)
+    if not lineage.restores:
+        versions = [lo for lo, _ in pairs] if lag_from == "version_min" else [hi for _, hi in pairs]
+        return current_version - min(versions)
+    if lag_from == "version_max":
+        return max(lineage.distance(hi, current_version) for _, hi in pairs)
+    return max(lineage.worst(lo, hi, current_version) for lo, hi in pairs)
 
 
-def decide_group(group: GroupVersions, current_version: int, cfg: StalenessConfig) -> GroupDecision:
-    """Decide what to do with one group."""
-    lag = group_lag(group, current_version, cfg.lag_from)
+def decide_group(group: GroupVersions, current_version: int, cfg: StalenessConfig,
+                 lineage: Lineage = LINEAR) -> GroupDecision:
+    """Decide what to do with one group (its lag measured along ``lineage``)."""
+    lag = group_lag(group, current_version, cfg.lag_from, lineage)
     newest = max((v for v in group.version_max if v is not None), default=current_version)
     exhausted = False
     if newest > current_version:
@@ -266,12 +334,13 @@ def _future_action(
     return "train", f"future: {what}; trained"
 
 
-def apply_policy(groups: Iterable[GroupVersions], current_version: int, cfg: StalenessConfig) -> StalenessResult:
+def apply_policy(groups: Iterable[GroupVersions], current_version: int, cfg: StalenessConfig,
+                 lineage: Lineage = LINEAR) -> StalenessResult:
     """Decide every group of a drained batch; decisions keep the input order."""
     counts = StalenessCounts()
     decisions = []
     for group in groups:
-        decision = decide_group(group, current_version, cfg)
+        decision = decide_group(group, current_version, cfg, lineage)
         counts.record(decision)
         decisions.append(decision)
     return StalenessResult(tuple(decisions), counts)

@@ -45,6 +45,9 @@ class TrainStepConfig(BaseModel):
     """AdamW second-moment decay."""
     adam_eps: float = Field(default=1e-8, gt=0.0, le=1.0)
     """AdamW denominator epsilon."""
+    expert_bias_update_rate: float = Field(default=1e-3, ge=0.0, le=1.0)
+    """Per optimizer step, how far each expert's routing bias moves toward balance (megatron's
+    moe_router_bias_update_rate); only for routers with an expert bias (DeepSeek-V3). 0 keeps the bias as loaded."""
     grad_clip: float | None = Field(default=1.0, gt=0.0, le=1e6)
     """Clip the global gradient norm (over all ranks, experts included) to this; None = no clipping."""
     failed_in_group_stats: bool = True

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import logging
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -14,11 +15,15 @@ import torch
 
 from pipeline.config import SluiceConfig
 from pipeline.consumers.drain import Drainer
+from pipeline.consumers.hooks import HookRunner
 from pipeline.consumers.ledger import Ledger
 from pipeline.consumers.snapshots import SnapshotWriter
 from pipeline.consumers.trainer import RedisClock, Trainer, TrainerSettings
 from pipeline.errors import ConfigError
+from pipeline.metrics import open_sinks
 from pipeline.sync.base import WeightUpdateEngine
+
+log = logging.getLogger(__name__)
 
 
 def build_rank(cfg: SluiceConfig, model_dir: Path) -> tuple[Any, Any, Any, Any]:
@@ -41,12 +46,12 @@ def build_rank(cfg: SluiceConfig, model_dir: Path) -> tuple[Any, Any, Any, Any]:
     parallel = ParallelConfig(tp=cfg.trainer.tp, ep=cfg.trainer.ep)
     check_layout(model_cfg, parallel, cfg.trainer.world_size)
     init_parallel(parallel, seed=cfg.run.seed)
-    model = build_gpt_model(model_cfg, parallel, r3=cfg.trainer.r3)
+    model = build_gpt_model(model_cfg, parallel, r3=cfg.trainer.r3, spec=cfg.model.spec, hf_config=hf_config)
     load_hf_into_megatron(model, model_dir, model_cfg)
     reference = None
     if cfg.trainer.loss.kl_coef > 0:
         # The KL anchor is the starting weights, so it is never checkpointed: a resume rebuilds it from model_dir.
-        reference = build_gpt_model(model_cfg, parallel, r3=cfg.trainer.r3)
+        reference = build_gpt_model(model_cfg, parallel, r3=cfg.trainer.r3, spec=cfg.model.spec, hf_config=hf_config)
         load_hf_into_megatron(reference, model_dir, model_cfg)
     step_cfg = cfg.trainer.model_copy(update={"pad_token_id": int(hf_config.get("pad_token_id") or 0)})
     step = TrainStep(model, model_cfg, step_cfg, reference=reference, total_steps=cfg.trainer.steps)
@@ -65,36 +70,42 @@ def run_trainer(run_dir: Path, cfg: SluiceConfig, model_dir: Path,
     from pipeline.consumers.megatron.convert import iter_hf_weights
 
     model_cfg, model, optimizer, step = build_rank(cfg, model_dir)
+    if engines is not None or cfg.eval.heldout.enabled:
+        # Every rank checks, so that all refuse together (only rank 0 is handed the engines; the others get []).
+        check_spec_weights(cfg, model, model_cfg)
     rank = dist.get_rank()
     loop = asyncio.new_event_loop()
-    source = clock = ledger = pusher = snapshots = None
+    source = clock = ledger = pusher = snapshots = scalars = hooks = None
     if rank == 0:
         from pipeline.queue.rundir import open_run
 
-        handle = open_run(run_dir=run_dir, redis_url=cfg.queue.redis_url, capacity=cfg.queue.capacity)
+        handle = open_run(run_dir=run_dir, redis_url=cfg.queue.redis_url, capacity=cfg.queue.capacity,
+                          start_server=False)
         ledger = Ledger(run_dir / "ledger")
         source = Drainer(handle.queue, ledger, cfg.staleness, filters=cfg.filters, consumer="trainer-0",
                          block_ms=cfg.trainer.drain_block_ms, claim_idle_ms=cfg.queue.claim_idle_ms,
                          min_groups=ps.get_data_parallel_world_size())
         clock = RedisClock(handle.queue)
         if engines:
-            pusher = loop.run_until_complete(_connect_pusher(cfg, engines, run_dir))
+            pusher = loop.run_until_complete(_connect_pusher(cfg, engines, run_dir, model_dir))
         if cfg.eval.heldout.enabled:
             snapshots = SnapshotWriter.for_run(run_dir, model_dir, cfg.eval.heldout, clock.get())
+        scalars = open_sinks(run_dir, "trainer", cfg.metrics, cfg.run.name)
+        hooks = HookRunner.from_config(cfg.hooks)
 
     def export() -> Iterator[tuple[str, torch.Tensor]]:
-        # Clone: the tensors are views of live parameters, and the next optimizer step must not race the push.
-        for name, tensor in iter_hf_weights(model, model_cfg):
-            yield name, tensor.detach().clone()
+        # Views of the live parameters where no gather or conversion made a new tensor: the trainer packs or clones
+        # them before the next optimizer step can change them (Trainer.push_weights).
+        yield from iter_hf_weights(model, model_cfg)
 
     settings = TrainerSettings(steps=cfg.trainer.steps, batch_groups=cfg.trainer.batch_groups,
                                checkpoint_every=cfg.trainer.checkpoint_every,
                                keep_checkpoints=cfg.trainer.keep_checkpoints, run_dir=run_dir,
-                               overlap_push=cfg.trainer.overlap_push)
+                               overlap_push=cfg.trainer.overlap_push, profile_steps=cfg.trainer.profile_steps)
     trainer = Trainer(settings, model=model, optimizer=optimizer, step_fn=step, export_weights=export,
                       source=source, clock=clock, ledger=ledger, pusher=pusher, loop=loop,
                       dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
-                      snapshots=snapshots)
+                      snapshots=snapshots, scalars=scalars, hooks=hooks)
     try:
         trainer.train()
     finally:
@@ -106,11 +117,38 @@ def run_trainer(run_dir: Path, cfg: SluiceConfig, model_dir: Path,
         gc.freeze()
 
 
-async def _connect_pusher(cfg: SluiceConfig, engines: Sequence[WeightUpdateEngine], run_dir: Path) -> Any:
+def check_spec_weights(cfg: SluiceConfig, model: Any, model_cfg: Any) -> None:
+    """Refuse, at start-up rather than at the first push, a run whose ``model.spec`` adds weights its engines cannot
+    receive: weights without HF names, or any added weights when engines are sluice's CPU engine without a
+    ``model.engine_patch`` (it serves the plain HF architecture, so it could neither load nor run them; the held-out
+    evaluator's engine is one too)."""
+    from pipeline.consumers.megatron.convert import check_exportable
+
+    if cfg.model.spec is None:
+        return
+    added = check_exportable(model, model_cfg)
+    if not added:
+        return
+    shown = ", ".join(sorted(added.values())[:4]) + (" ..." if len(added) > 4 else "")
+    if cfg.engine.type == "cpu" and cfg.model.engine_patch is None:
+        raise ConfigError(
+            f"model.spec = {cfg.model.spec!r} adds weights ({shown}) that sluice's CPU engine cannot run: it serves "
+            "the plain HF architecture, so its samples would come from a different policy than the one trained. "
+            "Set model.engine_patch to a function that adds the same modules to the engine's transformers model, "
+            "use engine.type = 'sglang' with servers whose model has them, or train offline (`sluice replay`)"
+        )
+    if cfg.engine.type == "cpu":
+        return  # the patched CPU engines check every pushed name against their model before receiving it
+    log.warning("model.spec adds weights %s: the SGLang servers must run a model that has them (a server that does "
+                "not refuses the first weight push)", shown)
+
+
+async def _connect_pusher(cfg: SluiceConfig, engines: Sequence[WeightUpdateEngine], run_dir: Path,
+                          model_dir: Path) -> Any:
     """The push to the engines, routed around one that fails and re-syncing one that comes back
-    (``pipeline.sync.rotation``)."""
+    (``pipeline.sync.rotation``), in the engines' dtype (``sync.dtype``)."""
     from pipeline.sync.rotation import EngineRotation
-    from pipeline.sync.weights import WeightPusher
+    from pipeline.sync.weights import WeightPusher, engines_dtype, engines_tp
 
     backend = cfg.sync.backend if cfg.sync.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
     port = cfg.sync.master_port  # 0: the pusher binds a port of the OS's choosing, then tells the engines
@@ -118,9 +156,15 @@ async def _connect_pusher(cfg: SluiceConfig, engines: Sequence[WeightUpdateEngin
     address = os.environ.get("SLUICE_NODE_IP", "127.0.0.1")
 
     async def connect(members: list[WeightUpdateEngine]) -> WeightPusher:
+        # Asked again at every rebuild: an engine that came back may have been started with another dtype.
+        dtype = cfg.sync.dtype if cfg.sync.dtype != "auto" else await engines_dtype(members, model_dtype(model_dir))
+        # Every TP rank of an engine joins the group: ranks 1 + sum(tp before it) on, world 1 + sum(tp).
+        ranks = await engines_tp(members)
         return await WeightPusher.connect(
             members, master_address=address, master_port=port, backend=backend, timeout_s=cfg.sync.timeout_s,
-            bucket_bytes=cfg.sync.bucket_mb * 2**20 if cfg.sync.bucket_mb else None,
+            ranks_per_engine=ranks,
+            bucket_bytes=cfg.sync.bucket_mb * 2**20 if cfg.sync.bucket_mb else None, dtype=dtype,
+            flat=cfg.sync.wire == "flat",
         )
 
     def discover(known: list[WeightUpdateEngine]) -> list[WeightUpdateEngine]:
@@ -132,6 +176,13 @@ async def _connect_pusher(cfg: SluiceConfig, engines: Sequence[WeightUpdateEngin
         return [by_url.get(url) or SGLangClient(url) for url in urls]
 
     return await EngineRotation.start(engines, connect, discover if (run_dir / "engines.json").exists() else None)
+
+
+def model_dtype(model_dir: Path) -> str | None:
+    """The dtype an HF folder's config.json names (what an engine set to "auto" loads it in), if a float one."""
+    config = json.loads((model_dir / "config.json").read_text())
+    name = str(config.get("torch_dtype") or config.get("dtype") or "")
+    return name if name in ("bfloat16", "float16", "float32") else None
 
 
 def run_replay(cfg: SluiceConfig, model_dir: Path, source: Path, id_range: tuple[str | None, str | None] | None,
@@ -147,18 +198,25 @@ def run_replay(cfg: SluiceConfig, model_dir: Path, source: Path, id_range: tuple
 
     out_dir.mkdir(parents=True, exist_ok=True)
     model_cfg, model, optimizer, step = build_rank(cfg, model_dir)
+    from pipeline.consumers.megatron.convert import check_exportable
+
+    check_exportable(model, model_cfg)  # the trained model is exported at the end: refuse now, not after training
     ledger = Ledger(out_dir / "ledger")
     latest = latest_checkpoint(out_dir / "checkpoints")
     start = int(read_checkpoint_meta(latest)["policy_version"]) if latest else first_version(source, id_range)
     settings = TrainerSettings(steps=cfg.trainer.steps, batch_groups=cfg.trainer.batch_groups,
                                checkpoint_every=cfg.trainer.checkpoint_every,
-                               keep_checkpoints=cfg.trainer.keep_checkpoints, run_dir=out_dir)
+                               keep_checkpoints=cfg.trainer.keep_checkpoints, run_dir=out_dir,
+                               profile_steps=cfg.trainer.profile_steps)
     clock = LocalClock(start)
     trainer = Trainer(settings, model=model, optimizer=optimizer, step_fn=step, export_weights=lambda: iter(()),
                       source=ReplaySource(open_records(source, id_range), cfg.staleness, ledger, clock,
                                           filters=cfg.filters),
                       clock=clock, ledger=ledger,
-                      dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size())
+                      dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
+                      scalars=open_sinks(out_dir, "trainer", cfg.metrics, cfg.run.name)
+                      if torch.distributed.get_rank() == 0 else None,
+                      hooks=HookRunner.from_config(cfg.hooks) if torch.distributed.get_rank() == 0 else None)
     try:
         trainer.train()
         if trainer.step == 0:

@@ -49,6 +49,7 @@ _COUNTS = (
     "mismatch_replay_tokens",
     "mismatch_free_sum",
     "mismatch_free_tokens",
+    "builtin_loss_calls",
 )
 _SUMS = _ADDITIVE + tuple(f"w.{k}" for k in _TOKEN_MEANS) + _COUNTS
 _MAXES = ("is_weight_max", "neg.is_weight_min", "time/step_s")
@@ -60,6 +61,8 @@ class Accumulator:
 
     sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(_SUMS, 0.0))
     maxes: dict[str, float] = field(default_factory=lambda: dict.fromkeys(_MAXES, -math.inf))
+    plugin_sums: dict[str, float] = field(default_factory=dict)
+    """``loss/<name>/<key>`` metrics of loss plug-ins, already scaled by each micro-batch's share: they add up."""
 
     def add(self, **values: float) -> None:
         for key, value in values.items():
@@ -69,6 +72,12 @@ class Accumulator:
         tokens = metrics.get("num_tokens", 0.0)
         for key in _ADDITIVE:
             self.sums[key] += metrics.get(key, 0.0)
+        for key, value in metrics.items():
+            if key.startswith("loss/"):
+                self.plugin_sums[key] = self.plugin_sums.get(key, 0.0) + value
+        if "pg_loss" not in metrics:
+            return  # loss.replace: the built-in loss and its diagnostics did not run
+        self.sums["builtin_loss_calls"] += 1
         if tokens > 0:
             for key in _TOKEN_MEANS:
                 self.sums[f"w.{key}"] += metrics[key] * tokens
@@ -80,10 +89,37 @@ class Accumulator:
     def reduce(self, group: Any) -> tuple[dict[str, float], dict[str, float]]:
         sums = torch.tensor([self.sums[k] for k in _SUMS], dtype=torch.float64)
         maxes = torch.tensor([self.maxes[k] for k in _MAXES], dtype=torch.float64)
-        if dist.is_initialized() and dist.get_world_size(group) > 1:
+        plugin_keys = sorted(self.plugin_sums)
+        distributed = dist.is_initialized() and dist.get_world_size(group) > 1
+        if distributed:
             dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
             dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
-        return dict(zip(_SUMS, sums.tolist(), strict=True)), dict(zip(_MAXES, maxes.tolist(), strict=True))
+            plugin_keys = _union_keys(plugin_keys, group)
+        plugin = torch.tensor([self.plugin_sums.get(k, 0.0) for k in plugin_keys], dtype=torch.float64)
+        if distributed and plugin_keys:
+            dist.all_reduce(plugin, op=dist.ReduceOp.SUM, group=group)
+        out = dict(zip(_SUMS, sums.tolist(), strict=True))
+        out.update(zip(plugin_keys, plugin.tolist(), strict=True))
+        return out, dict(zip(_MAXES, maxes.tolist(), strict=True))
+
+
+def _union_keys(keys: list[str], group: Any) -> list[str]:
+    """The sorted union of every rank's metric names (a rank may never have called a plug-in this step). Each rank
+    writes its msgpack-encoded names into its own row and one SUM all-reduce hands every rank all rows: no pickle."""
+    import msgpack
+
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    data = msgpack.packb(keys, use_bin_type=True)
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    dist.all_reduce(size, op=dist.ReduceOp.MAX, group=group)
+    rows = torch.zeros(world, int(size.item()) + 1, dtype=torch.int64)  # int64: SUM of bytes must not overflow
+    rows[rank, 0] = len(data)
+    rows[rank, 1 : len(data) + 1] = torch.tensor(list(data), dtype=torch.int64)
+    dist.all_reduce(rows, op=dist.ReduceOp.SUM, group=group)
+    union: set[str] = set()
+    for row in rows.tolist():
+        union.update(msgpack.unpackb(bytes(row[1 : row[0] + 1]), raw=False))
+    return sorted(union)
 
 
 def _ratio(num: float, den: float) -> float | None:
@@ -96,7 +132,11 @@ def final_metrics(
     """The step's metrics from the reduced sums; ``updates`` is its optimizer steps (the same on every rank)."""
     # Each optimizer step's loss terms are divided by that mini-batch's global count; report their mean per step.
     updates = max(updates, 1)
-    out: dict[str, float] = {k: sums[k] / updates for k in _ADDITIVE if kl_ref or k != "kl_ref"}
+    # Under loss.replace the built-in loss never ran: its parts and diagnostics are left out, not reported as 0.
+    builtin = sums["builtin_loss_calls"] > 0
+    out: dict[str, float] = {k: sums[k] / updates for k in _ADDITIVE
+                             if (kl_ref or k != "kl_ref") and (builtin or k in ("loss", "entropy"))}
+    out.update({k: v / updates for k, v in sums.items() if k.startswith("loss/")})
     tokens = sums["scored_tokens"]
     if tokens > 0:
         out.update({k: sums[f"w.{k}"] / tokens for k in _TOKEN_MEANS})

@@ -49,7 +49,9 @@ token means of ``policy_loss`` over every update (``mismatch_k3`` against the pr
 ``padded_tokens``, ``micro_batches`` of the proximal pass, ``optimizer_steps``), ``reward_mean``,
 ``advantage_abs_mean``, ``grad_norm`` (mean over the updates, before clipping) and ``grad_norm_max``,
 ``grad_norm_router``, ``grad_clip_coef``, ``lr`` (of the last update), ``skipped_step`` (the fraction of updates
-skipped) and ``time/*`` / ``tokens_per_s``.
+skipped) and ``time/*`` / ``tokens_per_s``. Loss plug-ins (``loss_plugins.py``) add ``loss/<name>/value`` and their
+own ``loss/<name>/<key>``, each the mini-batch's value averaged over the optimizer steps; under ``loss.replace``
+``pg_loss``, ``kl_ref`` and the clip / IS diagnostics are left out (the built-in loss did not run).
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ from pipeline.consumers.batch import (
     split_rows,
 )
 from pipeline.consumers.megatron.config import ModelConfig
+from pipeline.consumers.megatron.expert_bias import update_expert_bias
 from pipeline.consumers.optim import Updater, build_updater
 from pipeline.consumers.passes import Norms, Passes
 from pipeline.consumers.schedule import lr_at
@@ -131,7 +134,8 @@ class TrainStep:
         self.passes = Passes(model, model_cfg, cfg, reference)
         self.reference = self.passes.reference
         self._routing_shape = (
-            RoutingShape(model_cfg.num_layers, model_cfg.moe_topk, model_cfg.num_experts) if model_cfg.is_moe else None
+            RoutingShape(model_cfg.num_moe_layers, model_cfg.moe_topk, model_cfg.num_experts)
+            if model_cfg.is_moe else None
         )
         self.steps = 0
         self.optimizer_steps = 0
@@ -146,12 +150,15 @@ class TrainStep:
         """What a checkpoint saves beside the model: the torch, master-weight or megatron optimizer."""
         return self.updater.optimizer
 
-    def step(self, groups: Sequence[Sequence[Sample]]) -> dict[str, float]:
+    def step(self, groups: Sequence[Sequence[Sample]], weights: Sequence[float] | None = None) -> dict[str, float]:
         """Train on this rank's share of the global batch: one proximal pass, then ``epochs x mini_batches``
-        optimizer steps; returns metrics reduced over all data-parallel ranks."""
+        optimizer steps; returns metrics reduced over all data-parallel ranks.
+
+        ``weights`` (one per group, default 1) are the group filters' weights: each scales its group's part of the
+        loss (``policy_loss``'s ``sample_weights``)."""
         start = time.perf_counter()
         acc = Accumulator()
-        batch = self._collate(groups)
+        batch = self._collate(groups, weights)
         acc.add(num_samples=batch.num_rows, num_trainable_samples=int(batch.trainable.sum()),
                 num_groups=len(groups), num_tokens=batch.num_loss_tokens, reward_sum=float(batch.rewards.sum()),
                 advantage_abs_sum=float(batch.advantages.abs().sum()))
@@ -228,9 +235,10 @@ class TrainStep:
 
     # -------------------------------------------------------------------------------------------------- batching
 
-    def _collate(self, groups: Sequence[Sequence[Sample]]) -> TrainBatch:
+    def _collate(self, groups: Sequence[Sequence[Sample]], weights: Sequence[float] | None = None) -> TrainBatch:
         return collate(
             groups,
+            group_weights=weights,
             advantage=self.cfg.loss.advantage,
             routing_shape=self._routing_shape,
             temperature=self.cfg.temperature,
@@ -299,8 +307,10 @@ class TrainStep:
             prox = _rows_of(proximal, real, mb)
             ref = None if reference is None else _rows_of(reference, real, mb)
             self.passes.train_micro_batch(mb, prox, ref, norms, acc)
-        lr = lr_at(self.optimizer_steps, self.cfg.lr, self.cfg.lr_schedule, self.total_optimizer_steps)
+        lr = lr_at(self.optimizer_steps, self.cfg.lr, self.cfg.lr_schedule, self.total_optimizer_steps,
+                   samples=self.samples_trained)
         update = self.updater.step(lr, skip=norms.tokens == 0)
+        update.update(update_expert_bias(self.model, self.cfg.expert_bias_update_rate))
         self.optimizer_steps += 1
         return update
 
@@ -374,7 +384,12 @@ def _rows_of(full: Tensor, rows: list[int], mb: TrainBatch) -> Tensor:
 def _update_metrics(updates: list[dict[str, float]]) -> dict[str, float]:
     """The optimizer steps of one drained batch: means, the largest gradient norm, the last learning rate."""
     n = len(updates)
-    return {
+    # Models with an expert bias (DeepSeek-V3) report its balancing: the last update's bias, the mean load ratio.
+    balance = {}
+    if "expert_bias_abs_max" in updates[-1]:
+        balance = {"expert_bias_abs_max": updates[-1]["expert_bias_abs_max"],
+                   "expert_load_max_ratio": sum(u["expert_load_max_ratio"] for u in updates) / n}
+    return balance | {
         "grad_norm": sum(u["grad_norm"] for u in updates) / n,
         "grad_norm_max": max(u["grad_norm"] for u in updates),
         "grad_norm_router": sum(u["grad_norm_router"] for u in updates) / n,

@@ -29,11 +29,15 @@ import torch.distributed as dist
 
 from pipeline.consumers.checkpoints import latest_checkpoint, prune_checkpoints
 from pipeline.consumers.drain import Batch
+from pipeline.consumers.hooks import HookRunner
 from pipeline.consumers.ledger import Ledger, LedgerLine
+from pipeline.consumers.profiling import StepProfiler
 from pipeline.consumers.staleness import lag_histogram
+from pipeline.errors import SyncError
 from pipeline.queue.codec import decode_samples, encode_samples
 from pipeline.queue.redis_streams import SampleQueue
 from pipeline.queue.sample import Sample
+from pipeline.sync.packing import PackedBucket
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +46,7 @@ class StepFn(Protocol):
     """One optimizer step on this rank's share of prompt groups; returns metrics."""
 
     def step(self, groups: list[list[Sample]]) -> dict[str, float]: ...
+    # Called as step(groups, weights=[...]) (one group-filter weight per group) when a filter reweighted a group.
 
     def state_dict(self) -> dict[str, int]: ...
 
@@ -64,25 +69,48 @@ class VersionClock(Protocol):
 
     def get(self) -> int: ...
 
-    def advance(self) -> int: ...
+    def advance(self, at_least: int = 0) -> int: ...
 
     def event(self, kind: str, **fields: str | float) -> None: ...
 
+    def restored(self, version: int, base: int) -> None: ...
+
+
+# INCR, then raise to ARGV[1] if that is still below it: one step up, never back, and never below the version that was
+# pushed (Redis may have lost its last writes, e.g. under appendfsync everysec, while the checkpoint kept them).
+_ADVANCE = """
+local v = redis.call('INCR', KEYS[1])
+local floor = tonumber(ARGV[1])
+if v < floor then
+  redis.call('SET', KEYS[1], floor)
+  v = floor
+end
+return v
+"""
+
 
 class RedisClock:
-    """The run's ``policy_version`` in Redis (INCR only, so it never goes back) and its events stream."""
+    """The run's ``policy_version`` in Redis (it only goes up) and its events stream."""
 
     def __init__(self, queue: SampleQueue) -> None:
         self.queue = queue
+        self._advance = queue.redis.register_script(_ADVANCE)
 
     def get(self) -> int:
         return self.queue.policy_version()
 
-    def advance(self) -> int:
-        return int(self.queue.redis.incr(self.queue.keys.policy_version))
+    def advance(self, at_least: int = 0) -> int:
+        """Up by one, and to at least ``at_least`` (the version every engine just confirmed)."""
+        return int(self._advance(keys=[self.queue.keys.policy_version], args=[at_least]))
 
     def event(self, kind: str, **fields: str | float) -> None:
         self.queue.log_event(kind, **fields)
+
+    def restored(self, version: int, base: int) -> None:
+        """``version`` (the next push) holds the weights of ``base``: the drain judges lags along the lineage."""
+        from pipeline.consumers.drain import record_restore
+
+        record_restore(self.queue, version, base)
 
 
 class LocalClock:
@@ -94,8 +122,8 @@ class LocalClock:
     def get(self) -> int:
         return self.version
 
-    def advance(self) -> int:
-        self.version += 1
+    def advance(self, at_least: int = 0) -> int:
+        self.version = max(self.version + 1, at_least)
         return self.version
 
     def observe(self, version: int) -> None:
@@ -104,6 +132,9 @@ class LocalClock:
 
     def event(self, kind: str, **fields: str | float) -> None:
         log.info("%s %s", kind, fields)
+
+    def restored(self, version: int, base: int) -> None:
+        """Offline replay keeps no lineage: its recording is one branch."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +147,7 @@ class TrainerSettings:
     keep_checkpoints: int
     run_dir: Path
     overlap_push: bool = False
+    profile_steps: tuple[int, int] | None = None
 
 
 class Trainer:
@@ -137,6 +169,8 @@ class Trainer:
         dp_rank: int = 0,
         dp_size: int = 1,
         snapshots: Any | None = None,
+        scalars: Any | None = None,
+        hooks: HookRunner | None = None,
     ) -> None:
         self.s = settings
         self.model, self.optimizer, self.step_fn = model, optimizer, step_fn
@@ -146,6 +180,9 @@ class Trainer:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.snapshots = snapshots  # a SnapshotWriter on rank 0 when held-out evaluation is on
+        self.scalars = scalars  # rank 0's TensorBoard (and W&B) mirror of the metrics lines (pipeline.metrics)
+        self.hooks = hooks  # rank 0's user hooks (pipeline.consumers.hooks)
+        self.profiler = StepProfiler(settings.profile_steps, settings.run_dir, self.rank)
         self.ckpt_root = settings.run_dir / "checkpoints"
         self.metrics_path = settings.run_dir / "metrics" / "trainer.jsonl"
         self.step = 0
@@ -170,6 +207,7 @@ class Trainer:
         self.resume()
         commit_s = 0.0
         while self.step < self.s.steps:
+            self.profiler.start_step(self.step + 1)
             t0 = time.perf_counter()
             batch = self.drain()
             if batch is None:
@@ -198,31 +236,61 @@ class Trainer:
         # alone would lead it into the collective save without its peers).
         if self.step > self._committed_step:
             self.commit()
+        self.profiler.finish()
 
     # ---------------------------------------------------------------------------------------------------- steps
     def resume(self) -> None:
         latest = latest_checkpoint(self.ckpt_root)
         meta: dict[str, Any] = {}
+        checkpoint_version = 0
         if latest is not None:
             from pipeline.consumers.megatron.checkpoint import load_checkpoint
 
             meta = load_checkpoint(latest, self.model, self.optimizer)
             self.step = self._committed_step = int(meta["step"])
+            checkpoint_version = int(meta.get("policy_version", 0))
             if "train_step" in meta:
                 self.step_fn.load_state_dict(meta["train_step"])
         if self.rank == 0:
             assert self.ledger is not None and self.source is not None and self.clock is not None
             self.ledger.load(self.step if latest is not None else -1)
             recovery = self.source.recover()
-            self.version = self.clock.get()
-            needs_resync = latest is not None or self.version > 0
-            self.clock.event("resume", step=self.step, version=self.version, recovered=str(recovery))
+            self.version = self._resume_version(checkpoint_version)
+            fresh = latest is None and self.version == 0
+            # A resumed run's engines may hold weights trained on data this checkpoint has not seen, and engines
+            # sluice did not start may hold another run's: give them ours before they serve (sync.lifecycle).
+            held = self._adopt_engines(fresh)
+            needs_resync = not fresh or held > 0
+            if needs_resync:
+                # The resync push below is version self.version + 1, and it holds the restored weights: the
+                # checkpoint's version, or 0 (the starting weights). Samples are judged by their distance from those,
+                # not by the counter (docs/versions.md).
+                self.clock.restored(self.version + 1, checkpoint_version)
+            self.clock.event("resume", step=self.step, version=self.version, recovered=str(recovery), held=held)
         else:
             needs_resync = False
         needs_resync = bool(self._share({"resync": needs_resync})["resync"])
         if needs_resync:
-            # The engines may hold weights trained on data this checkpoint has not seen; give them ours.
             self.push_weights(background=False)
+
+    def _resume_version(self, checkpoint_version: int) -> int:
+        """max(Redis, checkpoint): the version never goes back, even when Redis lost what the checkpoint kept. The
+        resync push that follows sends ``version + 1`` and raises Redis to it (``RedisClock.advance``)."""
+        assert self.clock is not None
+        counter = self.clock.get()
+        if checkpoint_version > counter:
+            log.warning("the policy version in Redis (%d) is behind the checkpoint's (%d): Redis lost its last writes "
+                        "(appendfsync everysec, or a restore). The run continues from %d, and the next push brings "
+                        "Redis and every engine past it", counter, checkpoint_version, checkpoint_version)
+        return max(counter, checkpoint_version)
+
+    def _adopt_engines(self, fresh: bool) -> int:
+        """Label, reload or hold each engine as ``pipeline.sync.lifecycle`` says; returns how many are held."""
+        adopt = getattr(self.pusher, "adopt", None)
+        if adopt is None:
+            return 0
+        adoptions = self._loop.run_until_complete(adopt(self.version, fresh=fresh))
+        return sum(a.action == "held" for a in adoptions)
 
     def drain(self) -> Batch | None:
         """Rank 0 reads a batch; every rank gets its data-parallel share. None means stop."""
@@ -243,58 +311,115 @@ class Trainer:
             return batch
         # Plain routing: the share is one in-memory broadcast, where compressing would only cost time.
         payload = None if batch is None else [encode_samples(g, routing="plain") for g in batch.groups]
-        shared = self._share({"groups": payload})
+        weights = None if batch is None else batch.weights()
+        shared = self._share({"groups": payload, "weights": weights})
         if shared["groups"] is None:
             self._stop = True
             return None
         # Rank 0 keeps the whole batch for the ledger; every rank trains on its data-parallel share.
         groups = [decode_samples(b) for b in shared["groups"]]
-        return Batch(groups=groups[self.dp_rank :: self.dp_size])
+        share = slice(self.dp_rank, None, self.dp_size)
+        return Batch(groups=groups[share], group_weights=(shared["weights"] or [])[share])
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         start = time.perf_counter()
-        metrics = dict(self.step_fn.step(batch.groups))
+        weights = batch.weights()
+        # Weights only when a filter reweighted a group, so a step function without the argument still works.
+        metrics = dict(self.step_fn.step(batch.groups) if weights is None
+                       else self.step_fn.step(batch.groups, weights=weights))  # type: ignore[call-arg]
         metrics["time/step_s"] = time.perf_counter() - start
         return metrics
 
     def push_weights(self, *, background: bool | None = None) -> None:
         """Send the new weights to every engine; the policy version advances once every engine confirmed (rank 0).
 
-        With ``overlap_push`` the sending runs in a thread while the next batch is drained and trained (the tensors
-        are clones, so the next optimizer step cannot race it); pushes never overlap each other, and a commit or the
-        end of the run waits for the one in flight.
+        Two ways (docs/weight-push.md). **Streamed** (``overlap_push`` off): every rank walks the exporter while rank 0
+        casts, packs and sends one bucket at a time, so rank 0 holds about two buckets, never the model; the next
+        step waits for it. **Snapshot** (``overlap_push`` on, or a held-out snapshot is due): the weights are packed
+        into wire-dtype buckets now (the model in the engines' dtype), and sent in a thread while the next batch is
+        drained and trained, which the snapshot makes safe. Pushes never overlap each other, and a commit or the end
+        of the run waits for the one in flight.
         """
         self.finish_push()
-        weights = list(self.export_weights())  # collective: every rank iterates; only rank 0 receives tensors
+        overlap = self.s.overlap_push if background is None else background
+        final = self.step >= self.s.steps or self._stop
+        version = self.version + 1  # the version being pushed; the clock follows once the engines have it
+        streamed = (not overlap and hasattr(self.pusher, "push_once")
+                    and not (self.snapshots is not None and self.snapshots.due(version, final)))
+        if self._distributed:
+            streamed = bool(self._share({"streamed": streamed})["streamed"])  # rank 0 decides for every rank
+        if streamed:
+            self._stream_push(version, final)
+            return
+        weights = self._snapshot()  # collective: every rank iterates; only rank 0 gets tensors
         if self.rank != 0:
             return
-        final = self.step >= self.s.steps or self._stop
-        self.version += 1  # the version being pushed; the clock follows once the engines have it
-        if background if background is not None else self.s.overlap_push:
-            self._push_thread = threading.Thread(target=self._send, args=(weights, self.version, self.step, final),
+        self.version = version
+        if overlap:
+            self._push_thread = threading.Thread(target=self._send, args=(weights, version, self.step, final),
                                                  name="weight-push", daemon=True)
             self._push_thread.start()
         else:
-            self._send(weights, self.version, self.step, final)
+            self._send(weights, version, self.step, final)
             self.finish_push()
 
-    def _send(self, weights: list[tuple[str, torch.Tensor]], version: int, step: int, final: bool) -> None:
+    def _snapshot(self) -> list[Any]:
+        """The weights as they are now, safe from the next optimizer step: packed in the wire dtype when the pusher
+        packs (less memory, no second packing), else cloned."""
+        pack = getattr(self.pusher, "pack", None)
+        if pack is not None:
+            return list(pack(self.export_weights()))
+        return [(name, tensor.detach().clone()) for name, tensor in self.export_weights()]
+
+    def _stream_push(self, version: int, final: bool) -> None:
+        """The streamed push, collective. An attempt that failed because an engine did (the rotation rebuilt its
+        group) is made again by every rank together, since only they together can export the weights again."""
+        start = time.perf_counter()
+        error: BaseException | None = None
+        for _attempt in range(3):
+            again = False
+            if self.rank == 0:
+                try:
+                    again = self._loop.run_until_complete(self.pusher.push_once(self.export_weights, version)) is None
+                except BaseException as exc:  # raised below, once the other ranks were told to stop
+                    error = exc
+            else:
+                for _ in self.export_weights():
+                    pass
+            if self._distributed:
+                again = bool(self._share({"again": again})["again"])
+            if not again:
+                break
+        else:
+            error = error or SyncError(f"weight push {version} failed three times on engines that failed")
+        if self.rank != 0:
+            return
+        if error is not None:
+            raise error
+        self.version = version
+        self._confirmed(version, self.step, final, start, None)
+
+    def _send(self, weights: list[Any], version: int, step: int, final: bool) -> None:
         start = time.perf_counter()
         try:
-            assert self.clock is not None
             if self.pusher is not None:
                 self._loop.run_until_complete(self.pusher.push(weights, version))
-            # Only after every engine confirmed the new weights does the version advance.
-            # A replay clock may have jumped ahead to a version seen in the data; the trainer follows it.
-            version = self.clock.advance()
-            self.version = max(self.version, version)
-            if self.snapshots is not None:
-                self.snapshots.maybe_write(version, weights, final=final)
-            self.clock.event("weight_push", version=version, step=step,
-                             seconds=round(time.perf_counter() - start, 4),
-                             engines=0 if self.pusher is None else len(self.pusher.engines))
+            self._confirmed(version, step, final, start, weights)
         except BaseException as exc:  # re-raised on the trainer's thread by finish_push
             self._push_error = exc
+
+    def _confirmed(self, version: int, step: int, final: bool, start: float, weights: list[Any] | None) -> None:
+        """Every engine has ``version``: only now does the clock advance. A replay clock may have jumped ahead to a
+        version seen in the data; the trainer follows it."""
+        assert self.clock is not None
+        version = self.clock.advance(at_least=version)
+        self.version = max(self.version, version)
+        if self.snapshots is not None and weights is not None:
+            named = [t for b in weights for t in b.tensors()] if weights and isinstance(weights[0], PackedBucket) \
+                else weights
+            self.snapshots.maybe_write(version, named, final=final)
+        self.clock.event("weight_push", version=version, step=step, seconds=round(time.perf_counter() - start, 4),
+                         engines=0 if self.pusher is None else len(self.pusher.engines))
 
     def finish_push(self) -> float:
         """Wait for the push in flight (re-raising its error); returns the seconds waited."""
@@ -335,9 +460,14 @@ class Trainer:
             # The step's own reward_mean is the trained groups' (reward_mean_trained above).
             **{k: v for k, v in metrics.items() if k != "reward_mean"},
         }
+        if self.hooks is not None:  # before the line is written, so that it counts this step's hook failures
+            row.update(self.hooks.on_step(self.step, {"policy_version": self.version, "samples": len(rewards),
+                                                      "groups": len(full.groups)}, row))
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(row) + "\n")
+        if self.scalars is not None:
+            self.scalars.add(row, self.step)
         log.info("step %d version %d reward %.3f loss %.4f", self.step, self.version, row["reward_mean"],
                  metrics.get("loss", float("nan")))
 
@@ -365,6 +495,8 @@ class Trainer:
                              seconds=round(seconds, 3))
             self._uncommitted = []
             prune_checkpoints(self.ckpt_root, self.s.keep_checkpoints)
+            if self.hooks is not None:
+                self.hooks.on_commit(self.step, str(directory))
 
     # -------------------------------------------------------------------------------------------------- helpers
     @property
@@ -418,6 +550,8 @@ class Trainer:
         if self.pusher is not None:
             self._loop.run_until_complete(self._close_pusher())
         self._loop.close()
+        if self.scalars is not None:
+            self.scalars.close()
 
     async def _close_pusher(self) -> None:
         try:

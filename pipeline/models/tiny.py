@@ -1,8 +1,9 @@
-"""Write a tiny Qwen3 / Qwen3-MoE model and a character-level tokenizer into a folder.
+"""Write a tiny model of any family sluice knows (Qwen3, Qwen3-MoE, ...) and a character-level tokenizer into a folder.
 
-The model is real (same classes SGLang and the trainer load), just small enough to run on two CPU cores. The
-tokenizer covers what sluice's CPU recipe needs for synthetic arithmetic and copy tasks: digits, arithmetic symbols,
-lowercase letters, space, newline and a few special tokens.
+The model is real (same classes SGLang and the trainer load), just small enough to run on two CPU cores; its
+family (``pipeline.models.families``) holds its small default config. The tokenizer covers what sluice's CPU
+recipe needs for synthetic arithmetic and copy tasks: digits, arithmetic symbols, lowercase letters, space, newline
+and a few special tokens.
 
     python -m pipeline.models.tiny --arch qwen3-moe --out DIR [--seed N] [--set key=value ...]
 """
@@ -20,7 +21,7 @@ from pipeline.errors import ConfigError
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
-TinyArch = Literal["qwen3", "qwen3-moe"]
+TinyArch = Literal["qwen3", "qwen3-moe", "deepseek-v3"]
 TINY_ARCHS: tuple[str, ...] = get_args(TinyArch)
 
 PAD_TOKEN = "<pad>"
@@ -30,29 +31,6 @@ UNK_TOKEN = "<unk>"
 SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, EOS_TOKEN, BOS_TOKEN, UNK_TOKEN)
 # One token per character; the order fixes the ids, so it must never change for existing models.
 CHARACTERS: tuple[str, ...] = tuple(string.digits + "+-*/=()<>.,:;?!#%^'\"" + string.ascii_lowercase + " \n")
-
-# Shared by both architectures; small but with every feature of the real thing (GQA, qk-norm, RoPE).
-_COMMON_DEFAULTS: dict[str, Any] = {
-    "hidden_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "intermediate_size": 128,
-    "max_position_embeddings": 1024,
-    "rms_norm_eps": 1e-6,
-    # Wider than the usual 0.02 so that router scores and next-token logits are well separated: with a 64-wide
-    # model at 0.02 many top-k choices sit within float rounding of a tie, which makes tests flaky, not stricter.
-    "initializer_range": 0.1,
-    "tie_word_embeddings": False,
-}
-_MOE_DEFAULTS: dict[str, Any] = {
-    "num_experts": 8,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 32,
-    "norm_topk_prob": True,
-    "decoder_sparse_step": 1,
-}
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
@@ -76,16 +54,9 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def _model_config(arch: TinyArch, vocab_size: int, special_ids: dict[str, int], overrides: dict[str, Any]) -> Any:
-    from transformers import Qwen3Config, Qwen3MoeConfig
+    from pipeline.models.families import family_for_tiny
 
-    values: dict[str, Any] = dict(_COMMON_DEFAULTS)
-    if arch == "qwen3-moe":
-        values.update(_MOE_DEFAULTS)
-    values.update(vocab_size=vocab_size, **special_ids)
-    values.update(overrides)
-    if arch == "qwen3-moe":
-        return Qwen3MoeConfig(**values)
-    return Qwen3Config(**values)
+    return family_for_tiny(arch).tiny_config(arch, {"vocab_size": vocab_size, **special_ids, **overrides})
 
 
 def init_tiny_model(arch: TinyArch, out_dir: str | Path, *, seed: int = 0, **overrides: Any) -> Path:
@@ -99,6 +70,8 @@ def init_tiny_model(arch: TinyArch, out_dir: str | Path, *, seed: int = 0, **ove
     import torch
     from transformers import AutoModelForCausalLM
 
+    from pipeline.models.families import family_for_tiny
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
@@ -110,6 +83,7 @@ def init_tiny_model(arch: TinyArch, out_dir: str | Path, *, seed: int = 0, **ove
     config = _model_config(arch, len(tokenizer), special_ids, overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    family_for_tiny(arch).init_tiny_weights(model, torch.Generator().manual_seed(seed))
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out

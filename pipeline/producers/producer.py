@@ -18,6 +18,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,10 +27,20 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipeline.errors import ConfigError, EngineError
-from pipeline.producers.base import EngineClient, GenerateResult
+from pipeline.errors import ConfigError, EngineError, SampleError
+from pipeline.producers.base import EngineClient
 from pipeline.producers.prompts import Prompt, PromptConfig, PromptCursor, PromptSource, setup_prompts
-from pipeline.producers.rewards import RewardFn, RewardOutcome, resolve_reward, score
+from pipeline.producers.rewards import RewardConfig, RewardFn, RewardOutcome, RewardScorer, SampleScorer, setup_scorer
+from pipeline.producers.rollout import (
+    BUILTIN_ROLLOUT,
+    ROLLOUT_SIGNATURE,
+    RolloutContext,
+    RolloutEngine,
+    RolloutFn,
+    TextCodec,
+    Trajectory,
+    single_turn,
+)
 from pipeline.producers.sglang_client import NO_RETRY, EnginePool, EngineRequestError, SGLangClient
 from pipeline.queue.keys import RunKeys, parse_slot_item
 from pipeline.queue.redis_streams import SampleQueue
@@ -126,8 +137,8 @@ class SamplingConfig(BaseModel):
     """Base sampling seed; prompt index i gets seed + i * group_size (+ j for sample j), so a retry repeats itself."""
 
 
-class ProducerConfig(BaseModel):
-    """One producer process."""
+class ProducerConfig(RewardConfig):
+    """One producer process (its reward fields come from ``RewardConfig``)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -139,10 +150,11 @@ class ProducerConfig(BaseModel):
     """Sampling parameters."""
     return_routed_experts: bool = True
     """Ask engines for MoE routing (needed for R3); ignored for dense models."""
-    reward: str = "exact_match"
-    """Built-in reward name or 'package.module:function'."""
-    reward_timeout_s: float = Field(default=30.0, gt=0)
-    """A reward function running longer marks its sample failed."""
+    rollout: str = BUILTIN_ROLLOUT
+    """'package.module:function': the async rollout function that turns a prompt into its group's trajectories
+    (multi-turn, tools); the default is the built-in single request (``pipeline.producers.rollout``)."""
+    rollout_timeout_s: float = Field(default=600.0, gt=0)
+    """A rollout function running longer fails its group (counted in rollouts_failed; the prompt is skipped)."""
     put_timeout_s: float = Field(default=600.0, gt=0)
     """How long to wait on queue backpressure before failing."""
     admission_poll_s: float = Field(default=0.05, gt=0)
@@ -160,6 +172,8 @@ class ProducerStats:
     groups_put: int = 0
     samples_put: int = 0
     samples_failed_reward: int = 0
+    samples_failed_version: int = 0  # samples whose engine reported a weight version that is not an integer
+    rollouts_failed: int = 0  # groups whose rollout function raised, timed out or returned nonsense (prompt skipped)
     engine_errors: int = 0
     prompts_retried: int = 0
     prompts_requeued: int = 0  # taken prompts the trainer had requeued (a subset of prompts_retried)
@@ -206,16 +220,24 @@ class Producer:
         engine: EngineClient,
         prompts: PromptSource,
         tokenize: Tokenize | None,
-        reward_fn: RewardFn,
+        reward_fn: RewardFn | None = None,
         pacing: Pacing | None,
         num_experts: int | None,
+        scorer: RewardScorer | None = None,
+        rollout_fn: RolloutFn = single_turn,
+        codec: TextCodec | None = None,
     ) -> None:
         self.cfg, self.name = cfg, name
         self.queue, self.engine, self.prompts = queue, engine, prompts
         self.tokenize = tokenize
-        self.reward_fn = reward_fn
+        if (reward_fn is None) == (scorer is None):
+            raise ConfigError("a Producer scores with reward_fn or with scorer: pass exactly one")
+        self.scorer = scorer or SampleScorer(reward_fn, timeout_s=cfg.reward_timeout_s,  # type: ignore[arg-type]
+                                             concurrency=cfg.reward_concurrency)
         self.pacing = pacing
         self.num_experts = num_experts
+        self.rollout_fn = rollout_fn
+        self.codec = codec
         self.cursor = PromptCursor(queue.redis, queue.run)
         self.keys = RunKeys(queue.run)
         self.started_key = self.keys.groups_started
@@ -229,6 +251,10 @@ class Producer:
         self.stats = ProducerStats()
         self._stopping = threading.Event()  # set on stop: puts waiting for room give up (nothing written)
         self._placed: set[str] = set()  # group ids whose put landed; a cancel after it must not release their slot
+        # Puts block while the queue is full; on asyncio's default executor (cores + 4 threads) they would take every
+        # thread and starve the loop's own short calls (taking a slot, handing one back), the stop included.
+        self._put_pool: ThreadPoolExecutor | None = None
+        self._version_warned: set[tuple[str | None, tuple[str, ...]]] = set()
 
     # ---- the loop ---------------------------------------------------------------------------------------------------
 
@@ -244,6 +270,9 @@ class Producer:
         await asyncio.to_thread(self.reclaim_dead_peers)  # a peer that died while none of us ran
         tasks: set[asyncio.Task[None]] = set()
         heartbeat = asyncio.create_task(self._heartbeat())
+        # The puts' threads learn of a stop at once, not when this loop next looks: it may be waiting on them.
+        mirror = asyncio.create_task(self._mirror_stop(stop)) if stop is not None else None
+        self._put_pool = ThreadPoolExecutor(max_workers=self.cfg.concurrency, thread_name_prefix=f"{self.name}-put")
         try:
             while not self._finished(max_groups, stop):
                 if heartbeat.done():
@@ -274,11 +303,19 @@ class Producer:
             raise
         finally:
             self._stopping.clear()  # a later run() (a Ray actor's) puts normally
-            heartbeat.cancel()
-            await asyncio.gather(heartbeat, return_exceptions=True)
+            self._put_pool.shutdown(wait=False)
+            self._put_pool = None
+            background = [t for t in (heartbeat, mirror) if t is not None]
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
         # Only a clean exit gives the lease up early; after a failure it expires, and whoever comes next reclaims.
         await asyncio.to_thread(self.end_lease)
         return self.stats
+
+    async def _mirror_stop(self, stop: asyncio.Event) -> None:
+        await stop.wait()
+        self._stopping.set()
 
     def _finished(self, max_groups: int | None, stop: asyncio.Event | None) -> bool:
         return (stop is not None and stop.is_set()) or (max_groups is not None and self.stats.groups_put >= max_groups)
@@ -415,10 +452,7 @@ class Producer:
         prompt_ids = self.prompt_ids(prompt)
         seed = None if self.cfg.sampling.seed is None else self.cfg.sampling.seed + index * self.cfg.group_size
         try:
-            results = await self.engine.generate_many(
-                [prompt_ids], self.request_params(seed), return_logprob=True,
-                return_routed_experts=self.cfg.return_routed_experts and self.num_experts is not None,
-            )  # fmt: skip
+            results = await self._rollout(prompt, prompt_ids, seed)
         except EngineRequestError as e:
             # The engine refused this prompt (too long, say); every engine would, so it is skipped, not retried.
             self.stats.prompts_refused += 1
@@ -430,10 +464,18 @@ class Producer:
             log.warning("producer %s: no engine served prompt %s (%s); handing it back", self.name,
                         prompt.prompt_id, e)
             return False
-        outcomes = await asyncio.gather(*(score(self.reward_fn, prompt, r.text, self.cfg.reward_timeout_s)
-                                          for r in results))
+        except _RolloutFailed as e:
+            # User code failed on this prompt: retrying it would most likely fail the same way, so it is skipped
+            # (like a prompt the engines refuse), counted, and logged with the traceback.
+            self.stats.rollouts_failed += 1
+            log.error("producer %s: rollout function %s failed on prompt %s, skipping it: %s", self.name,
+                      self.cfg.rollout, prompt.prompt_id, e.reason, exc_info=e.__cause__)
+            await asyncio.to_thread(self._release, slot, False)
+            return True
+        outcomes = await self.scorer.score_group(prompt, [r.text for r in results])
         group = self.build_group(prompt, prompt_ids, results, outcomes, seed=seed, group_id=slot.group_id)
-        placing = asyncio.ensure_future(asyncio.to_thread(self._place, group, slot))
+        loop = asyncio.get_running_loop()
+        placing = asyncio.ensure_future(loop.run_in_executor(self._put_pool, self._place, group, slot))
         try:
             # A cancel (a stop) must not race the put: the thread goes on, so the group may land after the
             # coroutine is told to stop, and releasing its slot then would queue it twice over (slot and prompt).
@@ -445,6 +487,38 @@ class Producer:
             raise
         self._count_put(group, outcomes)
         return True
+
+    async def _rollout(self, prompt: Prompt, prompt_ids: list[int], seed: int | None) -> list[Trajectory]:
+        """The group's trajectories from the rollout function. Engine errors propagate as they are (the caller hands
+        the prompt back or skips it); anything else the function does wrong raises _RolloutFailed."""
+        params = self.request_params(seed)
+        del params["n"]  # the context adds n and the seeds per call
+        params.pop("sampling_seed", None)
+        engine = RolloutEngine(self.engine, self.codec,
+                               routing=self.cfg.return_routed_experts and self.num_experts is not None)
+        ctx = RolloutContext(prompt=prompt, prompt_ids=tuple(prompt_ids), n=self.cfg.group_size, engine=engine,
+                             codec=self.codec, sampling=params, seed=seed)
+        try:
+            async with asyncio.timeout(self.cfg.rollout_timeout_s) as deadline:
+                trajectories = await self.rollout_fn(ctx)
+        except Exception as e:
+            if deadline.expired():
+                raise _RolloutFailed(f"took longer than producer.rollout_timeout_s = "
+                                     f"{self.cfg.rollout_timeout_s}s") from e
+            if engine.raised(e) and isinstance(e, (EngineRequestError, EngineError, OSError)):
+                raise  # the engines' failure, not the function's: handled as for the built-in path
+            raise _RolloutFailed(f"{type(e).__name__}: {e}") from e
+        if not isinstance(trajectories, list) or len(trajectories) != self.cfg.group_size \
+                or not all(isinstance(t, Trajectory) for t in trajectories):
+            got = f"{len(trajectories)} items" if isinstance(trajectories, list) else type(trajectories).__name__
+            raise _RolloutFailed(f"returned {got}; it must return a list of producer.group_size = "
+                                 f"{self.cfg.group_size} Trajectory objects")
+        for traj in trajectories:
+            try:
+                traj.flatten()  # a turn appended by hand from the wrong prefix shows here, not in the put
+            except SampleError as e:
+                raise _RolloutFailed(str(e)) from e
+        return trajectories
 
     def _place(self, group: list[Sample], slot: Slot) -> None:
         """Put the group on the queue and clear its in-flight record (runs in a thread)."""
@@ -458,6 +532,17 @@ class Producer:
         self.stats.groups_put += 1
         self.stats.samples_put += len(group)
         self.stats.samples_failed_reward += sum(o.failed for o in outcomes)
+
+    def _warn_version(self, engine: str, versions: Sequence[str]) -> None:
+        self.stats.samples_failed_version += 1
+        key = (engine, tuple(sorted(set(versions))))
+        if key not in self._version_warned:
+            self._version_warned.add(key)
+            log.warning(
+                "producer %s: engine %s reports weight versions %s, which sluice never pushed (SGLang says "
+                "'default' before its first update); its samples are marked failed until the run labels or updates "
+                "the engine (sluice does so as it starts; start SGLang with --weight-version 0 to avoid it)",
+                self.name, engine, list(key[1]))
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         """The prompt's token ids, tokenizing its text if it has no ids."""
@@ -486,34 +571,46 @@ class Producer:
         self,
         prompt: Prompt,
         prompt_ids: Sequence[int],
-        results: Sequence[GenerateResult],
+        results: Sequence[Trajectory],
         outcomes: Sequence[RewardOutcome],
         *,
         seed: int | None = None,
         group_id: str | None = None,
     ) -> list[Sample]:
-        """Samples of one prompt group from the engine's results and their rewards (sample j used seed + j)."""
+        """Samples of one prompt group from its trajectories and their rewards (sample j used seed + j)."""
         group_id = group_id or uuid.uuid4().hex
         sp = self.cfg.sampling
         prompt_arr = np.asarray(prompt_ids, dtype=np.int32)
         out = []
         for i, (r, o) in enumerate(zip(results, outcomes, strict=True)):
-            if r.output_logprobs is None:
-                raise EngineError(f"engine {r.engine} returned no output logprobs; sluice needs return_logprob")
+            flat = r.flatten()
+            versions = _token_versions(flat.versions)
+            status = SampleStatus.FAILED if o.failed else _STATUS.get(r.finish_reason, SampleStatus.ABORTED)
+            info = {**r.info, **o.info} if r.info else o.info
+            if versions is None:
+                # Not trainable: nobody knows which weights made these tokens. The sample is queued as failed (the
+                # trainer's ledger records it invalid) and the producer goes on; the engine's adoption or the next
+                # push gives it a real version.
+                self._warn_version(r.engine, flat.versions)
+                versions = np.zeros(len(flat.response_ids), dtype=np.int32)  # placeholders: never trained
+                status = SampleStatus.FAILED
+                info = {**info, "error": f"engine {r.engine} reported weight versions {sorted(set(flat.versions))}, "
+                                         "not integers"}
             routed = None
-            if r.routed_experts is not None and self.num_experts is not None:
-                routed = compact_routing(r.routed_experts, self.num_experts)
+            if flat.routing is not None and self.num_experts is not None:
+                routed = compact_routing(flat.routing, self.num_experts)
             sampling = SamplingInfo(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
                                     max_new_tokens=sp.max_new_tokens, seed=None if seed is None else seed + i)
             out.append(Sample(
                 prompt_ids=prompt_arr,
-                response_ids=np.asarray(r.output_ids, dtype=np.int32),
-                rollout_logprobs=np.asarray(r.output_logprobs, dtype=np.float32),
-                token_versions=_token_versions(r),
+                response_ids=flat.response_ids,
+                rollout_logprobs=flat.logprobs,
+                loss_mask=flat.loss_mask,
+                token_versions=versions,
                 routed_experts=routed,
                 reward=o.reward,
-                reward_info=o.info,
-                status=SampleStatus.FAILED if o.failed else _STATUS.get(r.finish_reason, SampleStatus.ABORTED),
+                reward_info=info,
+                status=status,
                 finish_reason=r.finish_reason,
                 group_id=group_id,
                 prompt_id=prompt.prompt_id,
@@ -526,15 +623,24 @@ class Producer:
         return out
 
 
-def _token_versions(result: GenerateResult) -> np.ndarray:
+class _RolloutFailed(Exception):
+    """The rollout function raised (anything but an engine error), timed out, or returned something unusable."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _token_versions(labels: Sequence[str]) -> np.ndarray | None:
+    """The per-token versions as integers, or None when the engine reports one that is not a version sluice pushed
+    (SGLang's "default" before any update, a negative or free-form label)."""
     try:
-        return np.array([int(v) for v in result.token_versions()], dtype=np.int32)
+        versions = np.array([int(v) for v in labels], dtype=np.int64)
     except ValueError:
-        raise EngineError(
-            f"engine {result.engine} reports non-integer weight versions "
-            f"{[s.version for s in result.weight_versions]}; "
-            "sluice pushes integer versions, so start the engine with an integer --weight-version"
-        ) from None
+        return None
+    if len(versions) and (versions.min() < 0 or versions.max() > np.iinfo(np.int32).max):
+        return None
+    return versions.astype(np.int32)
 
 
 def read_num_experts(model_dir: str | Path) -> int | None:
@@ -549,11 +655,43 @@ def read_num_experts(model_dir: str | Path) -> int | None:
 
 def routed_experts_shape(model_dir: str | Path) -> tuple[int, int] | None:
     """(MoE layers, top-k) of an HF MoE model, which SGLang's flat routed_experts must be reshaped to; None for a
-    dense model. SGLang's /model_info does not report it; the model's config does."""
+    dense model. SGLang's /model_info does not report it; the model's config does, read by its family (which layers
+    are MoE is family knowledge: DeepSeek-V3's first layers are dense)."""
+    from pipeline.models.config import ModelConfig
+
     if read_num_experts(model_dir) is None:
         return None
-    hf = json.loads((Path(model_dir) / "config.json").read_text())
-    return hf["num_hidden_layers"] - len(hf.get("mlp_only_layers") or []), int(hf["num_experts_per_tok"])
+    model = ModelConfig.from_hf(json.loads((Path(model_dir) / "config.json").read_text()))
+    return model.num_moe_layers, model.moe_topk
+
+
+class HFTextCodec:
+    """The model folder's HF tokenizer as a rollout's ``TextCodec``: no special tokens added, none shown."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        from transformers import AutoTokenizer
+
+        self._tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self._tokenizer.decode(list(ids), skip_special_tokens=True))
+
+
+def load_codec(model_dir: str | Path) -> HFTextCodec:
+    """Text <-> ids with the model folder's tokenizer (what the producer tokenizes prompts and rollouts with)."""
+    return HFTextCodec(model_dir)
+
+
+def resolve_rollout(ref: str) -> RolloutFn:
+    """The rollout function ``producer.rollout`` names (checked: async, one argument)."""
+    if ref == BUILTIN_ROLLOUT:
+        return single_turn
+    from pipeline import plugins
+
+    return plugins.resolve(ref, field="producer.rollout", signature=ROLLOUT_SIGNATURE)  # type: ignore[return-value]
 
 
 def load_tokenize(model_dir: str | Path) -> Tokenize:
@@ -613,10 +751,11 @@ async def open_producer(spec: ProducerSpec) -> AsyncIterator[Producer]:
     """Connect to Redis and the engines and build the producer a spec describes; everything is released on exit."""
     from pipeline.queue.connection import connect
 
-    reward_fn = resolve_reward(spec.producer.reward)  # first, so that a typo fails before any connection
+    scorer = setup_scorer(spec.producer)  # first, so that a typo fails before any connection
+    rollout_fn = resolve_rollout(spec.producer.rollout)
     prompts = setup_prompts(spec.prompts)
     num_experts = read_num_experts(spec.model_dir)
-    tokenize = load_tokenize(spec.model_dir)
+    codec = load_codec(spec.model_dir)
     redis_client = connect(spec.redis_url)
     # No per-client retry: the pool fails over to another engine at once instead of waiting out a dead one.
     shape = routed_experts_shape(spec.model_dir)
@@ -627,10 +766,11 @@ async def open_producer(spec: ProducerSpec) -> AsyncIterator[Producer]:
         yield Producer(
             spec.producer, name=spec.name, queue=SampleQueue(redis_client, spec.run, capacity=spec.queue_capacity,
                                                        routing_codec=spec.routing_codec),
-            engine=pool, prompts=prompts, tokenize=tokenize, reward_fn=reward_fn, pacing=pacing,
-            num_experts=num_experts,
+            engine=pool, prompts=prompts, tokenize=codec.encode, scorer=scorer, pacing=pacing,
+            num_experts=num_experts, rollout_fn=rollout_fn, codec=codec,
         )  # fmt: skip
     finally:
+        await scorer.close()
         await pool.close()
         redis_client.close()
 

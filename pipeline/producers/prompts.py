@@ -111,6 +111,11 @@ def _addition(code: int, digits: int) -> tuple[str, str]:
     return f"{a}+{b}=", str(a + b)
 
 
+def _multiplication(code: int, digits: int) -> tuple[str, str]:
+    a, b = divmod(code, 10**digits)
+    return f"{a}*{b}=", str(a * b)
+
+
 def _increment(code: int, digits: int) -> tuple[str, str]:
     return f"{code}+1=", str(code + 1)
 
@@ -143,6 +148,7 @@ class _Task:
 
 SYNTHETIC_TASKS: dict[str, _Task] = {
     "addition": _Task(_addition, "add", lambda d: 10 ** (2 * d)),
+    "multiplication": _Task(_multiplication, "mul", lambda d: 10 ** (2 * d)),  # "37*45=" -> "1665" (tool use)
     "increment": _Task(_increment, "inc", lambda d: 10**d),
     "copy": _Task(_copy, "copy", lambda d: 10 ** (d + 2)),
     "reverse": _Task(_reverse, "rev", lambda d: 10 ** (d + 1)),
@@ -192,7 +198,7 @@ class PromptConfig(BaseModel):
     path: Path | None = None
     """File to read (jsonl, parquet)."""
     task: str = "addition"
-    """Synthetic task: addition, increment, copy or reverse."""
+    """Synthetic task: addition, multiplication, increment, copy or reverse."""
     size: int = Field(1024, ge=1)
     """Number of synthetic training prompts (all distinct)."""
     digits: int = Field(2, ge=1, le=9)

@@ -27,6 +27,7 @@ import numpy as np
 from pipeline.errors import EngineError
 from pipeline.producers.base import GenerateResult, VersionSpan
 from pipeline.sync.base import EngineReply
+from pipeline.sync.lifecycle import Adoption, adopt_engines
 
 _T = TypeVar("_T")
 
@@ -116,6 +117,39 @@ class ModelInfo:
     topk: int | None
     """Experts per token, when the engine reports it."""
     raw: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What ``/v1/loads`` says: requests running and waiting over the engine's data-parallel ranks, and each rank's
+    raw report (SGLang adds token usage and queue details; the CPU engine its counters)."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    ranks: tuple[Mapping[str, Any], ...]
+
+    @property
+    def num_total_reqs(self) -> int:
+        """Running plus waiting: what least-loaded routing compares."""
+        return self.num_running_reqs + self.num_waiting_reqs
+
+    def total(self, key: str) -> float:
+        """A numeric field summed over the ranks that report it (0 when none does)."""
+        return sum(float(r[key]) for r in self.ranks if isinstance(r.get(key), (int, float)))
+
+    @classmethod
+    def parse(cls, engine: str, body: Any) -> EngineLoad:
+        """Read a ``/v1/loads`` answer; EngineError naming the engine if it is not one."""
+        loads = body.get("loads") if isinstance(body, Mapping) else None
+        try:
+            if not isinstance(loads, list):
+                raise ValueError("no 'loads' list")
+            ranks = tuple(dict(r) for r in loads)
+            return cls(sum(int(r["num_running_reqs"]) for r in ranks), sum(int(r["num_waiting_reqs"]) for r in ranks),
+                       ranks)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise EngineError(f"engine {engine} sent a /v1/loads answer sluice cannot read ({exc!r}): "
+                              f"{_short(body)}; is it SGLang >= 0.5.23 or sluice's CPU engine?") from exc
 
 
 # Keys under which an engine may report its MoE shape in /model_info; the first present wins.
@@ -236,6 +270,9 @@ class SGLangClient:
             body["rid"] = list(rids)
         shape = await self.routed_experts_shape() if return_routed_experts else None
         answer = await self.generate_raw(body)
+        if not isinstance(answer, (list, Mapping)):  # an HTML error page from a proxy, say
+            raise EngineError(f"engine {self.name} answered /generate with {_short(answer)[:200]!r}, not a JSON "
+                              "object; is it an SGLang-protocol engine?")
         items = answer if isinstance(answer, list) else [answer]
         n = int(sampling_params.get("n", 1))
         if len(items) != len(prompts) * n:
@@ -333,6 +370,31 @@ class SGLangClient:
         """The engine's current ``weight_version``."""
         return (await self.model_info()).weight_version
 
+    async def weight_dtype(self) -> str | None:
+        """The dtype the engine holds its weights in ("bfloat16", ...), when it says: ``/model_info``'s ``dtype`` (the
+        CPU engine), else ``/get_server_info``'s (SGLang); None when it does not, or says "auto"."""
+        found = _dtype_name((await self.model_info()).raw.get("dtype"))
+        if found is None:
+            found = _dtype_name((await self._server_info()).get("dtype"))
+        return found
+
+    async def tp_size(self) -> int:
+        """How many tensor-parallel ranks the engine has, each of which joins the weight group (1 if it does not
+        say): ``/model_info``'s ``tp_size`` (the CPU engine), else ``/get_server_info``'s (SGLang)."""
+        size = _first_int((await self.model_info()).raw, ("tp_size",))
+        if size is None:
+            size = _first_int(await self._server_info(), ("tp_size",))
+        return size or 1
+
+    async def _server_info(self) -> Mapping[str, Any]:
+        try:
+            response = await self.retry.call(lambda: self._request("GET", "/get_server_info", None, self.timeout))
+        except EngineRequestError as exc:
+            if exc.status != 404:
+                raise
+            return {}
+        return response.body if isinstance(response.body, Mapping) else {}
+
     async def routed_experts_shape(self) -> tuple[int, int]:
         """``(layers, topk)`` of ``routed_experts``: from the constructor, else from ``/model_info`` (asked once)."""
         if self._moe_shape is None:
@@ -345,9 +407,10 @@ class SGLangClient:
             self._moe_shape = (info.moe_layers, info.topk)
         return self._moe_shape
 
-    async def get_load(self) -> Any:
-        """``/get_load`` as the engine reports it (SGLang and the CPU engine use different fields; see their docs)."""
-        return (await self.retry.call(lambda: self._request("GET", "/get_load", None, self.timeout))).body
+    async def get_load(self) -> EngineLoad:
+        """``GET /v1/loads`` (SGLang 0.5.23's load report; its older ``/get_load`` answers 404 there)."""
+        response = await self.retry.call(lambda: self._request("GET", "/v1/loads", None, self.timeout))
+        return EngineLoad.parse(self.name, response.body)
 
     async def flush_cache(self) -> EngineReply:
         """Drop the prefix cache (SGLang refuses while requests are running)."""
@@ -401,6 +464,7 @@ class SGLangClient:
         flush_cache: bool,
         weight_version: str | None,
         abort_all_requests: bool = False,
+        load_format: str | None = None,
     ) -> EngineReply:
         """Announce one bucket; the engine answers after receiving and loading every tensor in it."""
         body: dict[str, Any] = {
@@ -412,6 +476,8 @@ class SGLangClient:
             "abort_all_requests": abort_all_requests,
             "weight_version": weight_version,
         }
+        if load_format is not None:
+            body["load_format"] = load_format
         return await self._weight_call("/update_weights_from_distributed", body)
 
     async def end_weight_update(self) -> EngineReply:
@@ -439,6 +505,12 @@ class SGLangClient:
         """Relabel the engine's weights; SGLang's default would abort in-flight requests, so ours is ``False``."""
         body = {"new_version": str(new_version), "abort_all_requests": abort_all_requests}
         return await self._weight_call("/update_weight_version", body)
+
+    async def weight_group_probe(self, group_name: str, nbytes: int, *, prepare: bool = False) -> EngineReply:
+        """sluice's CPU engine only (``sluice bench sync``): prepare a buffer of ``nbytes``, or receive one bare
+        broadcast of that many bytes on the weight group and drop it."""
+        body = {"group_name": group_name, "nbytes": nbytes, "prepare": prepare}
+        return await self._weight_call("/weight_group_probe", body)
 
     async def _weight_call(self, path: str, body: Mapping[str, Any]) -> EngineReply:
         return _reply(await self._request("POST", path, body, self.weight_timeout, accept_4xx=True))
@@ -499,6 +571,15 @@ def _reply(response: _Response) -> EngineReply:
         success = response.status == 200
         message = "" if body is None else str(body).strip()
     return EngineReply(success=success and response.status == 200, message=message)
+
+
+_DTYPE_NAMES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "half": "float16",
+                "fp16": "float16", "float32": "float32", "float": "float32", "fp32": "float32"}
+
+
+def _dtype_name(value: Any) -> str | None:
+    """An engine's dtype setting as the weight push names it; None for "auto" or anything unknown."""
+    return _DTYPE_NAMES.get(str(value).removeprefix("torch.").lower()) if value is not None else None
 
 
 def _first_int(raw: Mapping[str, Any], keys: Sequence[str]) -> int | None:
@@ -724,3 +805,17 @@ class EnginePool:
             if state.client is client:
                 return state
         raise EngineError(f"{client!r} is not part of this pool")
+
+
+def adopt_engine_urls(urls: Sequence[str], *, version: int, fresh: bool, model_path: str | None) -> list[Adoption]:
+    """``pipeline.sync.lifecycle.adopt_engines`` over the engines at ``urls`` (the launcher runs it before any
+    producer starts); logs what it did to each."""
+
+    async def adopt() -> list[Adoption]:
+        clients = [SGLangClient(url) for url in urls]
+        try:
+            return await adopt_engines(list(clients), version=version, fresh=fresh, model_path=model_path)
+        finally:
+            await asyncio.gather(*(c.close() for c in clients))
+
+    return asyncio.run(adopt())

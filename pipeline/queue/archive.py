@@ -103,10 +103,18 @@ class ArchiveWriter:
         table = table.replace_schema_metadata({**(table.schema.metadata or {}), **info.to_metadata()})
         final = self.folder / info.name
         tmp = self.folder / f".{info.name}.tmp"
-        with open(tmp, "wb") as f:
-            pq.write_table(table, f, **parquet_write_options(table, self.compression))
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(tmp, "wb") as f:
+                pq.write_table(table, f, **parquet_write_options(table, self.compression))
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            # A full disk (ENOSPC) or a file-size limit (EFBIG): pyarrow's own message names no file. Nothing was
+            # acked, so the entries stay pending in the archive group and a restarted archiver writes them.
+            tmp.unlink(missing_ok=True)
+            raise QueueError(f"could not write archive segment {final} ({e.strerror or e}); free space under "
+                             f"{self.folder}: nothing is lost, its {len(entries)} entries stay pending in the "
+                             "archive group and the restarted archiver writes them") from e
         os.replace(tmp, final)
         _fsync_dir(self.folder)
         self._update_index(info)

@@ -3,33 +3,68 @@
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import redis
-from redis.backoff import ExponentialBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
 from pipeline.errors import QueueError
 
-#: Transient failures (a restart, a failover, a dropped socket) are retried with backoff; anything else propagates.
-DEFAULT_RETRY = Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=5,
+#: Transient failures (a restart, a failover, a dropped socket, a server loading its AOF) are retried with backoff;
+#: anything else propagates. Twelve tries wait about 15 s in all: long enough for `sluice run` to restart a dead
+#: embedded server on its AOF (docs/faults.md), short enough that a server gone for good fails the process soon.
+DEFAULT_RETRY = Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=12,
                       supported_errors=(redis.ConnectionError, redis.TimeoutError))
+#: For probes that must answer at once (is a server up yet?).
+NO_RETRY = Retry(NoBackoff(), retries=0)
 
 
-def redact_url(url: str) -> str:
-    """The URL with any password replaced by '***', for logs and error messages."""
+#: Query parameters redis-py reads from a URL that hold a secret (``ssl_password`` unlocks an encrypted client key).
+SECRET_QUERY_KEYS = frozenset({"password", "ssl_password"})
+
+
+def has_secret(url: str) -> bool:
+    """Whether the URL carries a credential: a password in its user part or in its query."""
     try:
         parts = urlsplit(url)
     except ValueError:
+        return True  # unparseable: treat it as secret, it is never shown
+    return parts.password is not None or any(k in SECRET_QUERY_KEYS for k, _ in parse_qsl(parts.query))
+
+
+def redact_url(url: str) -> str:
+    """The URL with every password (user part and query) replaced by '***', for logs, files and messages."""
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:
         return "<unparseable redis url>"
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    netloc = f"{user}:***@{host}" if user else f":***@{host}"
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    netloc = parts.netloc
+    if password is not None:
+        user = parts.username or ""
+        host = parts.hostname or ""
+        if parts.port:
+            host = f"{host}:{parts.port}"
+        netloc = f"{user}:***@{host}" if user else f":***@{host}"
+    query = parts.query
+    pairs = parse_qsl(query, keep_blank_values=True)
+    if any(k in SECRET_QUERY_KEYS for k, _ in pairs):
+        query = urlencode([(k, "***" if k in SECRET_QUERY_KEYS else v) for k, v in pairs], safe="*/:")
+    # Rebuilt by hand: urlunsplit drops the '//' of a URL with an empty host part (``unix:///path``).
+    tail = (f"?{query}" if query else "") + (f"#{parts.fragment}" if parts.fragment else "")
+    return f"{parts.scheme}://{netloc}{parts.path}{tail}"
+
+
+def is_redacted(url: str) -> bool:
+    """Whether the URL is one ``redact_url`` produced from a URL with a secret (so the secret must come from
+    elsewhere)."""
+    try:
+        parts = urlsplit(url)
+        return parts.password == "***" or any(
+            k in SECRET_QUERY_KEYS and v == "***" for k, v in parse_qsl(parts.query))
+    except ValueError:
+        return False
 
 
 def connect(url: str, **kwargs: Any) -> redis.Redis:
@@ -46,3 +81,37 @@ def connect(url: str, **kwargs: Any) -> redis.Redis:
         opts["socket_keepalive"] = True  # detect a dead peer on long blocking reads; unix sockets lack the option
     opts.update(kwargs)
     return redis.Redis.from_url(url, **opts)
+
+
+def check_access(client: redis.Redis, url: str, key: str) -> None:
+    """Fail at once, with what to fix, when the server refuses this client's credentials or its ACL user may not
+    use the run's keys; a refusal deep inside a process would otherwise surface as a bare redis-py traceback (or,
+    inside a Lua pcall, not at all)."""
+    where = redact_url(url)
+    try:
+        client.exists(key)
+    except redis.AuthenticationError as e:
+        raise QueueError(f"the Redis server at {where} refused the credentials ({e}); check the user and password in "
+                         "queue.redis_url (or --redis / SLUICE_REDIS_URL)") from None
+    except redis.exceptions.NoPermissionError as e:
+        raise QueueError(f"the Redis server at {where} accepted the user but its ACL refused a command on {key} "
+                         f"({e}); grant the user the run's keys and sluice's commands (docs/security.md has the "
+                         "rule: `ACL SETUSER sluice on >PASSWORD resetchannels ~sluice:* -@all +...`)") from None
+
+
+def check_fsync_always(client: redis.Redis, url: str) -> bool:
+    """For ``queue.durability = 'safe'`` on an external server: raise QueueError unless it keeps an AOF fsynced
+    before every reply. Returns False when the server does not let this user read its config (then it cannot be
+    checked, and the caller warns)."""
+    try:
+        conf = client.config_get("append*")
+    except redis.exceptions.NoPermissionError:
+        return False
+    except redis.ResponseError:  # CONFIG renamed or disabled (a managed service, say)
+        return False
+    if conf.get("appendonly") != "yes" or conf.get("appendfsync") != "always":
+        raise QueueError(f"queue.durability = 'safe', but the Redis server at {redact_url(url)} runs with appendonly "
+                         f"{conf.get('appendonly')!r} and appendfsync {conf.get('appendfsync')!r}: an acknowledged "
+                         "put can be lost in a crash. Set `appendonly yes` and `appendfsync always` on the server, "
+                         "or queue.durability = 'standard'")
+    return True

@@ -50,6 +50,12 @@ class RunKeys:
         return f"{self.prefix}:events"
 
     @property
+    def lineage(self) -> str:
+        """Hash: first version a trainer pushed after restoring a checkpoint -> the version whose weights it holds
+        (docs/versions.md)."""
+        return f"{self.prefix}:lineage"
+
+    @property
     def produced(self) -> str:
         """Entries ever added to ``samples``; each entry's ``seq`` field is its 1-based position in that count."""
         return f"{self.prefix}:produced"

@@ -14,7 +14,7 @@ import signal
 import socket
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -68,6 +68,9 @@ class EmbeddedRedis:
     port: int | None = None
     pid: int | None = None
     started_here: bool = False
+    up_since: float = 0.0
+    """When this process last started the server (time.monotonic)."""
+    _proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.folder = Path(self.folder).resolve()
@@ -127,6 +130,8 @@ class EmbeddedRedis:
                 raise
             if ready:
                 self.started_here = True
+                self.up_since = time.monotonic()
+                self._proc = proc  # kept to reap it: a SIGKILLed server must not linger as a zombie
                 self._write_state()
                 return self
             last_error = self._log_tail()
@@ -144,12 +149,21 @@ class EmbeddedRedis:
             if proc.poll() is not None:
                 return False
             try:
-                if self.client(socket_timeout=0.5).ping():
+                if self._probe(0.5):
                     return True
             except (redis.ConnectionError, redis.TimeoutError, OSError):
                 pass
             time.sleep(0.01)
         return False
+
+    def _probe(self, timeout_s: float) -> bool:
+        from pipeline.queue.connection import NO_RETRY
+
+        client = self.client(socket_timeout=timeout_s, retry=NO_RETRY)
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
 
     def _log_tail(self) -> str:
         log = self.folder / "redis.log"
@@ -175,10 +189,50 @@ class EmbeddedRedis:
         self.pid, self.port, self.unix_socket = pid, port, unix
         self.appendfsync = state.get("appendfsync", self.appendfsync)
         try:
-            return bool(self.client(socket_timeout=1.0).ping())
+            return self._probe(1.0)
         except (redis.ConnectionError, redis.TimeoutError, OSError):
             self.pid = None
             return False
+
+    def attach(self) -> EmbeddedRedis:
+        """Use the server the folder's state names, whether or not it runs right now; never start one.
+
+        For the run's processes: the launcher owns the embedded server and restarts a dead one on the same port, so
+        a client of the recorded URL reconnects through its retry. A process that started a server of its own while
+        that one was down would leave it running after the run, holding the same AOF files.
+        """
+        path = self.folder / STATE_FILE
+        try:
+            state = json.loads(path.read_text())
+            self.port, self.unix_socket = state["port"], bool(state["unix_socket"])
+        except FileNotFoundError:
+            raise RedisUnavailableError(f"the embedded Redis of {self.folder.parent} is not running (no "
+                                        f"{path.name}); start the run with `sluice run`") from None
+        except (ValueError, KeyError, TypeError):
+            raise RedisUnavailableError(f"{path} is not an embedded Redis state file") from None
+        return self
+
+    def adopt(self) -> None:
+        """Own the server, whoever started it: stop it at the end (``RunHandle.close(stop_server=True)``) and
+        restart it if it dies. The run's launcher adopts a server a killed launcher left running."""
+        self.started_here = True
+        self.up_since = self.up_since or time.monotonic()
+
+    def alive(self) -> bool:
+        if self._proc is not None and self._proc.poll() is not None:
+            return False
+        return self.pid is not None and _is_redis_process(self.pid)
+
+    def restart(self, timeout_s: float = 60.0) -> EmbeddedRedis:
+        """Start the server again after it died (a crash, a SIGKILL): on its AOF, at the port it had, so that every
+        client of its URL reconnects through its retry. Waits while it loads the AOF."""
+        if self.alive():
+            return self
+        if self._proc is not None:
+            self._proc.wait()
+        self.pid, self._proc = None, None
+        (self.folder / STATE_FILE).unlink(missing_ok=True)
+        return self.start(timeout_s)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM the server by its PID (it fsyncs the AOF on shutdown), SIGKILL if it does not exit in time."""
@@ -191,6 +245,9 @@ class EmbeddedRedis:
     def _signal(self, sig: signal.Signals, timeout_s: float) -> None:
         if self.pid is None or not _is_redis_process(self.pid):
             self.pid = None
+            if self._proc is not None:
+                self._proc.wait()  # reap a server that died by itself
+                self._proc = None
             return
         proc = psutil.Process(self.pid)
         proc.send_signal(sig)
@@ -199,6 +256,9 @@ class EmbeddedRedis:
         except psutil.TimeoutExpired:
             proc.kill()
             proc.wait(timeout_s)
+        if self._proc is not None:
+            self._proc.wait()
+            self._proc = None
         self.pid = None
         (self.folder / STATE_FILE).unlink(missing_ok=True)
 

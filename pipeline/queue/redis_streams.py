@@ -45,29 +45,38 @@ end
 # Entries not yet delivered to a group: the produced count minus the `seq` of the first undelivered entry, plus one.
 # Redis 7's own XINFO lag is not used, so the figure means the same on 6.2 and 7 (entries that bypassed SampleQueue,
 # having no `seq`, are not counted).
-_LAG = _GROUP_INFO_LIB + """
-local info = group_info(KEYS[1], ARGV[1])
-if not info then return -1 end
-local nxt = redis.call('XRANGE', KEYS[1], '(' .. info['last-delivered-id'], '+', 'COUNT', 16)
-for _, entry in ipairs(nxt) do
-  local fields = entry[2]
-  for i = 1, #fields, 2 do
-    if fields[i] == 'seq' then
-      local produced = tonumber(redis.call('GET', KEYS[2]) or '0')
-      return produced - tonumber(fields[i + 1]) + 1
+_LAG_LIB = _GROUP_INFO_LIB + """
+local function undelivered(stream, produced_key, name)
+  local info = group_info(stream, name)
+  if not info then return -1 end
+  local nxt = redis.call('XRANGE', stream, '(' .. info['last-delivered-id'], '+', 'COUNT', 16)
+  for _, entry in ipairs(nxt) do
+    local fields = entry[2]
+    for i = 1, #fields, 2 do
+      if fields[i] == 'seq' then
+        local produced = tonumber(redis.call('GET', produced_key) or '0')
+        return produced - tonumber(fields[i + 1]) + 1
+      end
     end
   end
+  return #nxt
 end
-return #nxt
 """
 
-# The common case of a put in one round trip: while the stream is shorter than the capacity (XLEN bounds the lag from
-# above) reserve the entries' numbers at once; else reserve nothing and let the caller wait for room.
-_RESERVE = """
-if redis.call('XLEN', KEYS[1]) < tonumber(ARGV[1]) then
-  return redis.call('INCRBY', KEYS[2], ARGV[2])
+_LAG = _LAG_LIB + """
+return undelivered(KEYS[1], KEYS[2], ARGV[1])
+"""
+
+# A put's room check and reservation in one round trip. XLEN bounds the lag from above and costs O(1); acked entries
+# stay in the stream until the next trim (acks wait for the trainer's checkpoint), so the stream is usually longer
+# than the capacity and the exact lag decides. With room (or no backpressure group yet: nobody would ever drain it),
+# the entries' numbers are reserved at once; otherwise nothing is reserved and the caller waits.
+_RESERVE = _LAG_LIB + """
+if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then
+  local lag = undelivered(KEYS[1], KEYS[2], ARGV[3])
+  if lag >= tonumber(ARGV[1]) then return -1 end
 end
-return -1
+return redis.call('INCRBY', KEYS[2], ARGV[2])
 """
 
 # Drop only entries that every group has acked: the bound is, per group, its oldest pending entry, or else the id
@@ -190,10 +199,7 @@ class SampleQueue:
         # strings and back: 3-10x a plain XADD) nor MULTI (Redis only starts on the batch once all of it has arrived)
         # is worth exactness here: with concurrent producers the stream order of two batches may differ from their
         # numbering, which moves the computed lag by at most the entries in flight.
-        top = int(self._reserve(keys=[self.keys.samples, self.keys.produced], args=[self.capacity, len(encoded)]))
-        if top < 0:
-            self.wait_for_room(timeout_s, abort)
-            top = int(self.redis.incrby(self.keys.produced, len(encoded)))
+        top = self._reserve_room(len(encoded), timeout_s, abort)
         base = top - len(encoded)
         pipe = self.redis.pipeline(transaction=False)
         for i, fields in enumerate(encoded):
@@ -213,27 +219,23 @@ class SampleQueue:
         n = int(self._lag(keys=[self.keys.samples, self.keys.produced], args=[group]))
         return None if n < 0 else n
 
-    def wait_for_room(self, timeout_s: float | None = None, abort: Callable[[], bool] | None = None) -> None:
-        # XLEN bounds the lag from above and costs O(1), so the exact lag is asked for only near capacity.
+    def _reserve_room(self, count: int, timeout_s: float | None, abort: Callable[[], bool] | None) -> int:
+        """Reserve ``count`` entry numbers once the backpressure group has room; returns the highest one."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         delay = self.poll_s
-        while True:
-            if self.redis.xlen(self.keys.samples) < self.capacity:
-                return
-            lag = self.lag(self.backpressure_group)
-            if lag is None or lag < self.capacity:
-                # No backpressure group yet: nobody would ever drain it, so do not block on it.
-                return
+        keys = [self.keys.samples, self.keys.produced]
+        while (top := int(self._reserve(keys=keys, args=[self.capacity, count, self.backpressure_group]))) < 0:
             if abort is not None and abort():
                 raise PutAbortedError(f"run {self.run!r}: put given up while waiting for room; nothing was written")
             if deadline is not None and time.monotonic() >= deadline:
                 raise QueueFullError(
-                    f"run {self.run!r}: group {self.backpressure_group!r} has {lag} undelivered entries "
-                    f"(capacity {self.capacity}) after waiting {timeout_s:.1f}s; is the trainer running? Raise "
-                    "queue.capacity to buffer more, or add trainer throughput"
+                    f"run {self.run!r}: group {self.backpressure_group!r} has {self.lag(self.backpressure_group)} "
+                    f"undelivered entries (capacity {self.capacity}) after waiting {timeout_s:.1f}s; is the trainer "
+                    "running? Raise queue.capacity to buffer more, or add trainer throughput"
                 )
             time.sleep(delay)
             delay = min(delay * 2, 0.2 if abort is not None else 1.0)
+        return top
 
     # ------------------------------------------------------------------------------------------------------ read
     def read(self, group: str, consumer: str, count: int = 1, block_ms: int | None = None) -> list[QueueEntry]:
@@ -377,12 +379,13 @@ class SampleQueue:
                 return
             lo = "(" + _s(rows[-1][0])
 
-    def pending_ids(self, group: str) -> list[str]:
-        """Ids pending in ``group`` (delivered, not acked), oldest first."""
+    def pending_ids(self, group: str, consumer: str | None = None) -> list[str]:
+        """Ids pending in ``group`` (delivered, not acked), oldest first; only ``consumer``'s when given."""
         out: list[str] = []
         lo = "-"
         while True:
-            rows = self.redis.xpending_range(self.keys.samples, group, min=lo, max="+", count=1000)
+            rows = self.redis.xpending_range(self.keys.samples, group, min=lo, max="+", count=1000,
+                                             consumername=consumer)
             out.extend(_s(r["message_id"]) for r in rows)
             if len(rows) < 1000:
                 return out

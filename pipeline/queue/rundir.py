@@ -1,8 +1,9 @@
 """Opening a run's queue from a run folder or a Redis URL, the way every CLI command and process does.
 
 A run folder holds ``run.json`` (run name, and the Redis URL when the server is external) and, for the embedded
-server, ``redis/`` with its AOF and PID state. A password is never written to ``run.json``: for a protected external
-server, pass the URL again with ``--redis`` or ``SLUICE_REDIS_URL``.
+server, ``redis/`` with its AOF and PID state. A password is never written to ``run.json``: a protected external
+server's URL is resolved as ``pipeline.queue.credentials`` says (``--redis``, ``SLUICE_REDIS_URL``, or the live
+launcher's private credential file).
 """
 
 from __future__ import annotations
@@ -11,11 +12,11 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from pipeline.errors import ConfigError
 from pipeline.queue.codec import RoutingCodec
-from pipeline.queue.connection import connect, redact_url
+from pipeline.queue.connection import check_access, connect
+from pipeline.queue.credentials import ENV_URL, public_url, resolve_url
 from pipeline.queue.keys import check_run_name
 from pipeline.queue.redis_server import AppendFsync, EmbeddedRedis
 from pipeline.queue.redis_streams import SampleQueue
@@ -41,9 +42,7 @@ class RunHandle:
 
 def write_run_file(run_dir: Path, run: str, redis_url: str | None) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    stored = None
-    if redis_url is not None:
-        stored = redis_url if urlsplit(redis_url).password is None else redact_url(redis_url)
+    stored = public_url(redis_url)
     tmp = run_dir / (RUN_FILE + ".tmp")
     tmp.write_text(json.dumps({"run": run, "redis_url": stored}))
     os.replace(tmp, run_dir / RUN_FILE)
@@ -58,19 +57,22 @@ def open_run(
     appendfsync: AppendFsync = "everysec",
     capacity: int = 1024,
     routing_codec: RoutingCodec = "compact",
+    start_server: bool = True,
 ) -> RunHandle:
     """Open a run by folder (``--run-dir``) or by URL and name (``--redis URL --run NAME``).
 
     With ``create=True`` a missing run folder is initialised and the embedded server started; otherwise the folder
-    must already hold a run.
+    must already hold a run. ``start_server=False`` (the processes of a live run) never starts the embedded server:
+    it uses the one the folder's state names, which the run's launcher owns and restarts if it dies.
     """
-    redis_url = redis_url or os.environ.get("SLUICE_REDIS_URL") or None
+    redis_url = redis_url or os.environ.get(ENV_URL) or None
+    if redis_url is not None:  # a redacted URL (from a run's config.json) stands for the one the launcher holds
+        redis_url = resolve_url(None if run_dir is None else Path(run_dir), redis_url)
     if run_dir is None:
         if not (redis_url and run):
             raise ConfigError("name the run: either --run-dir DIR, or --redis URL together with --run NAME")
         check_run_name(run)
-        queue = SampleQueue(connect(redis_url), run, capacity=capacity, routing_codec=routing_codec)
-        return RunHandle(run, None, redis_url, queue, None)
+        return RunHandle(run, None, redis_url, _queue(redis_url, run, capacity, routing_codec), None)
 
     folder = Path(run_dir)
     run_file = folder / RUN_FILE
@@ -81,12 +83,7 @@ def open_run(
         run = str(meta["run"])
         stored_url = meta.get("redis_url")
         if stored_url and not redis_url:
-            if "***" in stored_url:
-                raise ConfigError(
-                    f"run {run!r} uses a password-protected Redis ({stored_url}); pass its URL with --redis or "
-                    "SLUICE_REDIS_URL"
-                )
-            redis_url = stored_url
+            redis_url = resolve_url(folder, stored_url)
     elif create:
         run = check_run_name(run or folder.name)
         write_run_file(folder, run, redis_url)
@@ -99,7 +96,19 @@ def open_run(
         if not create and not (folder / "redis").exists():
             raise ConfigError(
                 f"{folder} has no embedded Redis state (redis/); was the run started with an external URL?")
-        server.start()
+        if start_server or create:
+            server.start()
+        else:
+            server.attach()
         redis_url = server.url
-    queue = SampleQueue(connect(redis_url), run, capacity=capacity, routing_codec=routing_codec)
-    return RunHandle(run, folder, redis_url, queue, server)
+    return RunHandle(run, folder, redis_url, _queue(redis_url, run, capacity, routing_codec), server)
+
+
+def _queue(url: str, run: str, capacity: int, routing_codec: RoutingCodec) -> SampleQueue:
+    queue = SampleQueue(connect(url), run, capacity=capacity, routing_codec=routing_codec)
+    try:
+        check_access(queue.redis, url, queue.keys.samples)
+    except BaseException:
+        queue.redis.close()
+        raise
+    return queue

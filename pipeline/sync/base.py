@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 from pipeline.errors import SyncError
 
@@ -98,12 +98,22 @@ class WeightUpdateEngine(Protocol):
         flush_cache: bool,
         weight_version: str | None,
         abort_all_requests: bool = False,
+        load_format: str | None = None,
     ) -> EngineReply:
-        """Receive one ``broadcast(src=0)`` per announced tensor, in order, and load them; returns when loaded."""
+        """Receive the announced tensors and load them; returns when loaded. One ``broadcast(src=0)`` per tensor in
+        order, or with ``load_format="flattened_bucket"`` one flat uint8 broadcast of all their bytes."""
         ...
 
     async def end_weight_update(self) -> EngineReply:
         """Close the update window."""
+        ...
+
+    async def pause_generation(self, mode: Literal["abort", "retract", "in_place"] = "abort") -> EngineReply:
+        """Stop running forward passes; ``in_place`` keeps every request and its KV cache to continue later."""
+        ...
+
+    async def continue_generation(self) -> EngineReply:
+        """Resume after ``pause_generation``."""
         ...
 
     async def destroy_weights_update_group(self, group_name: str) -> EngineReply:

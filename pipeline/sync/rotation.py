@@ -20,7 +20,12 @@ import torch
 
 from pipeline.errors import SyncError
 from pipeline.sync.base import WeightUpdateEngine
+from pipeline.sync.lifecycle import Adoption, ManagedEngine, adopt_engines
+from pipeline.sync.packing import PackedBucket
 from pipeline.sync.weights import PushStats, WeightPusher
+
+WeightSource = (Sequence[PackedBucket] | Sequence[tuple[str, torch.Tensor]]
+                | Callable[[], Iterable[tuple[str, torch.Tensor]]])
 
 log = logging.getLogger(__name__)
 
@@ -78,12 +83,26 @@ class EngineRotation:
     def engines(self) -> list[WeightUpdateEngine]:
         return list(self.members)
 
-    async def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | int) -> PushStats:
-        weights = list(named_tensors)
+    async def push(self, weights: WeightSource, weight_version: str | int) -> PushStats:
+        """Push to the engines that answer; after a failure that an engine caused, once more to those left.
+
+        ``weights`` must be sendable twice: packed buckets, a list of named tensors, or a callable that exports them
+        afresh (a one-shot iterator would be empty the second time).
+        """
+        stats = await self.push_once(weights, weight_version)
+        if stats is None:
+            stats = await self.push_once(weights, weight_version)
+        if stats is None:
+            raise SyncError(f"weight push {weight_version} failed twice on engines that failed; see the log")
+        return stats
+
+    async def push_once(self, weights: WeightSource, weight_version: str | int) -> PushStats | None:
+        """One attempt. None: it failed because an engine failed or restarted, and the group was rebuilt over the
+        engines that answer, so the caller should send the weights again. Raises when no engine is to blame."""
         await self._admit_returned()
         assert self.pusher is not None
         try:
-            stats = await self.pusher.push(weights, weight_version)
+            stats = await self.pusher.push(weights() if callable(weights) else weights, weight_version)
         except SyncError as exc:
             alive = await self._answering(self.members)  # waits for one to come back if none answers
             restarted = await self._restarted(alive)
@@ -94,10 +113,20 @@ class EngineRotation:
                         "answering", weight_version, exc, ", ".join(gone) or "none",
                         ", ".join(e.name for e in restarted) or "none", len(alive))
             await self._rebuild(alive)
-            assert self.pusher is not None
-            stats = await self.pusher.push(weights, weight_version)
+            return None
         self.pushed = str(weight_version)
         return stats
+
+    def pack(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[PackedBucket]:
+        """The weights packed for the current group's wire dtype, to push later (``WeightPusher.pack``)."""
+        assert self.pusher is not None
+        return self.pusher.pack(named_tensors)
+
+    async def adopt(self, version: int, *, fresh: bool, model_path: str | None = None) -> list[Adoption]:
+        """``adopt_engines`` over every engine that has the endpoints (all of them outside tests); any ``held`` one
+        needs a push before it serves again."""
+        managed: list[ManagedEngine] = [e for e in self.all if hasattr(e, "update_weight_version")]  # type: ignore[misc]
+        return await adopt_engines(managed, version=version, fresh=fresh, model_path=model_path)
 
     async def close(self) -> None:
         if self.pusher is not None:

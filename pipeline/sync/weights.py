@@ -1,7 +1,7 @@
 """Bucketed weight broadcast from the trainer to rollout engines (SGLang's ``update_weights_from_distributed``).
 
-Both ends live here: ``init_weight_group`` + ``receive_tensors`` for an engine, and ``plan_buckets`` +
-``WeightPusher`` for the trainer (rank 0 of the weight group).
+Both ends live here: ``init_weight_group`` + ``receive_tensors`` / ``receive_flat`` for an engine, and
+``WeightPusher`` for the trainer (rank 0 of the weight group), which packs buckets with ``pipeline.sync.packing``.
 
 The group is built directly on a ``TCPStore`` rather than through ``dist.init_process_group``: the trainer already owns
 the default group (Megatron's), and the engines are separate programs that join only this one group.
@@ -10,6 +10,7 @@ the default group (Megatron's), and the engines are separate programs that join 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import threading
 import time
@@ -24,7 +25,9 @@ from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-
 
 from pipeline.errors import SyncError
 from pipeline.sync.base import DTYPE_ITEMSIZE, EngineReply, TensorMeta, WeightUpdateEngine
+from pipeline.sync.packing import FLAT_FORMAT, BucketPacker, BucketSlots, PackedBucket, unpack
 
+log = logging.getLogger(__name__)
 MB = 1 << 20
 DEFAULT_BUCKET_BYTES: dict[str, int] = {"gloo": 64 * MB, "nccl": 512 * MB}
 SUPPORTED_BACKENDS = ("gloo", "nccl")
@@ -256,6 +259,22 @@ def receive_tensors(
     return _receive()
 
 
+def receive_flat(
+    group: WeightGroup, names: list[str], dtypes: list[str], shapes: list[list[int]],
+    buffer: torch.Tensor | None = None,
+) -> list[tuple[str, torch.Tensor]]:
+    """Receive one flat bucket (``load_format="flattened_bucket"``): a single uint8 broadcast of exactly the announced
+    bytes, into ``buffer`` (a uint8 tensor at least that long, reused by the caller) or a new one; returned as named
+    views into it."""
+    metas = check_announcement(names, dtypes, shapes)
+    total = sum(m.nbytes for m in metas)
+    if buffer is not None and (buffer.dtype != torch.uint8 or buffer.numel() < total):
+        raise SyncError(f"a receive buffer of {buffer.numel()} {buffer.dtype} cannot hold a {total}-byte bucket")
+    flat = buffer[:total] if buffer is not None else torch.empty(total, dtype=torch.uint8, device=group.device)
+    group.broadcast(flat, src=0)
+    return unpack(metas, flat)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Sending side (trainer)
 # --------------------------------------------------------------------------------------------------------------------
@@ -306,7 +325,13 @@ class PushStats:
     tensors: int
     buckets: int
     bytes: int
+    """Bytes on the wire: every tensor in the dtype it was announced in."""
     seconds: float
+    peak_buffer_bytes: int = 0
+    """The most bucket-buffer bytes rank 0 held at once (about two buckets for a streamed push)."""
+    zero_copy_bytes: int = 0
+    """Bytes sent straight from the tensors' own memory, never copied into a bucket (a streamed push's large
+    tensors in the wire dtype)."""
 
     @property
     def mb_per_s(self) -> float:
@@ -314,13 +339,22 @@ class PushStats:
         return self.bytes / MB / self.seconds if self.seconds > 0 else math.inf
 
 
+Weights = Iterable[tuple[str, torch.Tensor]] | Sequence[PackedBucket]
+"""What a push sends: named tensors, packed as they arrive, or buckets packed before (``WeightPusher.pack``)."""
+
+
 class WeightPusher:
     """Rank 0 of the weight group: pushes named tensors to every engine, bucket by bucket.
 
-    Per push: ``/begin_weight_update`` on all engines, then per bucket ``/update_weights_from_distributed`` to all
-    engines concurrently with one ``broadcast(src=0)`` per tensor in the announced order, then ``/end_weight_update``.
-    ``weight_version`` and ``flush_cache`` ride only on the last bucket, so an engine never labels tokens with the new
-    version while it still holds a mix of old and new weights.
+    Per push: ``/pause_generation`` (in place) and ``/begin_weight_update`` on all engines; per bucket
+    ``/update_weights_from_distributed`` to all engines concurrently with the bucket's broadcast (one flat uint8
+    tensor, SGLang's ``flattened_bucket`` format, or one broadcast per tensor with ``flat=False``); then
+    ``/end_weight_update``, a best-effort ``/flush_cache`` and ``/continue_generation``. The next
+    bucket is cast and packed in a thread while the current one is on the wire, and at most two bucket buffers exist
+    at once (``pipeline.sync.packing``). A streamed push sends a large tensor already in the wire dtype straight from
+    its own memory (``zero_copy_bytes``, see ``BucketPacker``), so the named tensors must not change until ``push``
+    returns; ``pack`` always copies. ``weight_version`` rides only on the last bucket, so an engine never labels
+    tokens with the new version while it holds a mix of old and new weights.
     """
 
     def __init__(
@@ -332,6 +366,9 @@ class WeightPusher:
         dtype: str | None = None,
         expected: Mapping[str, TensorMeta] | None = None,
         flush_cache: bool = True,
+        flat: bool = True,
+        zero_copy: bool = True,
+        zero_copy_bytes: int | None = None,
     ) -> None:
         if group.rank != 0:
             raise SyncError(f"the pusher must be rank 0 of the weight group, this process is rank {group.rank}")
@@ -346,6 +383,10 @@ class WeightPusher:
             torch_dtype(dtype)
         self.expected = expected
         self.flush_cache = flush_cache
+        self.flat = flat
+        self.zero_copy = zero_copy
+        self.zero_copy_bytes = zero_copy_bytes
+        self._buffers = BucketSlots(2, self.bucket_bytes, group.device)  # reused by every streamed push
 
     @classmethod
     async def connect(
@@ -362,6 +403,9 @@ class WeightPusher:
         dtype: str | None = None,
         expected: Mapping[str, TensorMeta] | None = None,
         flush_cache: bool = True,
+        flat: bool = True,
+        zero_copy: bool = True,
+        zero_copy_bytes: int | None = None,
     ) -> WeightPusher:
         """Host the weight group and have every engine join it; ``ranks_per_engine`` is each engine's TP size.
 
@@ -393,13 +437,32 @@ class WeightPusher:
         ]
         await _expect_success(engines, joins, "init_weights_update_group")
         group = await asyncio.wait_for(hosting, timeout_s)
-        return cls(group, engines, bucket_bytes=bucket_bytes, dtype=dtype, expected=expected, flush_cache=flush_cache)
+        return cls(group, engines, bucket_bytes=bucket_bytes, dtype=dtype, expected=expected, flush_cache=flush_cache,
+                   flat=flat, zero_copy=zero_copy, zero_copy_bytes=zero_copy_bytes)
 
-    async def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | int) -> PushStats:
-        """Push every tensor to every engine and set their version; raises SyncError naming the engine on failure.
+    def packer(self) -> BucketPacker:
+        """A packer for one streamed push: this pusher's bucket size, wire dtype, device, two reused buffers, and
+        zero-copy for large tensors in the wire dtype."""
+        self._buffers.reset()
+        return BucketPacker(bucket_bytes=self.bucket_bytes, dtype=self.dtype, device=self.group.device,
+                            expected=self.expected, buffers=self._buffers, zero_copy=self.zero_copy,
+                            zero_copy_bytes=self.zero_copy_bytes)
 
-        All tensors are collected and checked before the first request goes out, so a bad name, shape or dtype never
-        reaches a broadcast (a size mismatch there kills the receiving process with SIGABRT).
+    def pack(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[PackedBucket]:
+        """Every weight cast and packed now, for a push later (a snapshot: the model in the wire dtype, copied, never
+        aliasing the parameters)."""
+        packer = BucketPacker(bucket_bytes=self.bucket_bytes, dtype=self.dtype, device=self.group.device,
+                              expected=self.expected, slots=None)
+        return packer.pack_all(named_tensors)
+
+    async def push(self, weights: Weights, weight_version: str | int) -> PushStats:
+        """Push every weight to every engine and set their version; raises SyncError naming the engine on failure.
+
+        Named tensors are packed as they arrive (the iterable is always exhausted, even on failure: a trainer's
+        exporter is a collective); large ones in the wire dtype are sent from their own memory, so nothing may write
+        them until this returns. The first bucket is packed, so every check of its tensors has passed, before any
+        engine is asked anything; a later tensor that fails a check fails the push after earlier buckets went out,
+        and the engines keep the old version label until a whole push lands.
         """
         version = str(weight_version)
         if self.group.broken is not None:
@@ -407,26 +470,55 @@ class WeightPusher:
                 f"weight group {self.group.group_name!r} is unusable ({self.group.broken}); "
                 "close this pusher and connect a new one"
             )
-        items = self._collect(named_tensors)
-        buckets = plan_buckets(items, self.bucket_bytes)
         start = time.perf_counter()
+        source = _Prepacked(weights) if _is_packed(weights) else _Streamed(self.packer(), weights)  # type: ignore[arg-type]
+        buckets = tensors = sent = 0
+        opened = False
         try:
+            item = await source.next()
+            if item is None:
+                raise SyncError(
+                    "a weight push needs at least one tensor; use /update_weight_version to only bump the version"
+                )
+            # Paused in place for the whole push: requests keep their place and their KV cache, no forward pass
+            # runs, so no token is computed from half-updated weights (docs/weight-push.md, "Generation across a
+            # push"). Only a whole push continues them: one that fails leaves the engines paused until the next.
+            await _expect_success(self.engines, [e.pause_generation("in_place") for e in self.engines],
+                                  "pause_generation")
             await _expect_success(self.engines, [e.begin_weight_update() for e in self.engines], "begin_weight_update")
-            for index, bucket in enumerate(buckets):
-                last = index == len(buckets) - 1
-                await self._push_bucket(bucket, version if last else None, self.flush_cache and last)
+            opened = True
+            while item is not None:
+                bucket, last = item
+                # No flush with the update: SGLang refuses to flush while requests are in flight, as they are in place.
+                await self._push_bucket(bucket, version if last else None, False)
+                buckets, tensors, sent = buckets + 1, tensors + len(bucket.metas), sent + bucket.nbytes
+                bucket.release()
+                item = await source.next()
         except BaseException:
-            # Close the engines' update windows so they keep serving; the original error is what matters.
-            await asyncio.gather(*(e.end_weight_update() for e in self.engines), return_exceptions=True)
+            await source.abort()
+            if opened:
+                # Close the engines' update windows so they answer again; the original error is what matters.
+                await asyncio.gather(*(e.end_weight_update() for e in self.engines), return_exceptions=True)
             raise
+        await source.abort()  # nothing left to stop; waits for the packing thread to end
         await _expect_success(self.engines, [e.end_weight_update() for e in self.engines], "end_weight_update")
-        return PushStats(
-            weight_version=version,
-            tensors=len(items),
-            buckets=len(buckets),
-            bytes=sum(meta.nbytes for meta, _ in items),
-            seconds=time.perf_counter() - start,
-        )
+        if self.flush_cache:
+            await self._flush_prefix_caches(version)
+        # Every engine has every weight and the new label: generation continues (an engine held since it was adopted,
+        # sync.lifecycle, serves from here on too).
+        await _expect_success(self.engines, [e.continue_generation() for e in self.engines], "continue_generation")
+        return PushStats(weight_version=version, tensors=tensors, buckets=buckets, bytes=sent,
+                         seconds=time.perf_counter() - start, peak_buffer_bytes=source.peak_buffer_bytes,
+                         zero_copy_bytes=source.zero_copy_bytes)
+
+    async def _flush_prefix_caches(self, version: str) -> None:
+        """Drop cached prefixes computed by the old weights, where the engine can: SGLang refuses while requests are
+        in flight (they are, in place), and then its cache keeps them; the CPU engine has none."""
+        flushable = [e for e in self.engines if hasattr(e, "flush_cache")]
+        replies = await asyncio.gather(*(e.flush_cache() for e in flushable), return_exceptions=True)  # type: ignore[attr-defined]
+        for engine, reply in zip(flushable, replies):
+            if isinstance(reply, BaseException) or not reply.success:
+                log.debug("engine %s kept its prefix cache after push %s: %s", engine.name, version, reply)
 
     async def close(self) -> None:
         """Have every engine leave the group, then tear down this end; a new ``connect`` may reuse the group name."""
@@ -436,29 +528,9 @@ class WeightPusher:
         finally:
             self.group.close()
 
-    def _collect(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[TensorMeta, torch.Tensor]]:
-        items: list[tuple[TensorMeta, torch.Tensor]] = []
-        seen: set[str] = set()
-        for name, tensor in named_tensors:
-            if not isinstance(tensor, torch.Tensor):
-                raise SyncError(f"weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
-            if name in seen:
-                raise SyncError(f"weight {name!r} appears twice in one push; the exporter must yield each name once")
-            seen.add(name)
-            dtype = self.dtype if self.dtype is not None and tensor.is_floating_point() else dtype_name(tensor.dtype)
-            items.append((TensorMeta(name=name, dtype=dtype, shape=tuple(int(d) for d in tensor.shape)), tensor))
-        if not items:
-            raise SyncError(
-                "a weight push needs at least one tensor; use /update_weight_version to only bump the version"
-            )
-        if self.expected is not None:
-            validate_metas((meta for meta, _ in items), self.expected)
-        return items
-
-    async def _push_bucket(
-        self, bucket: list[tuple[TensorMeta, torch.Tensor]], weight_version: str | None, flush_cache: bool
-    ) -> None:
-        metas = [meta for meta, _ in bucket]
+    async def _push_bucket(self, bucket: PackedBucket, weight_version: str | None, flush_cache: bool) -> None:
+        metas = bucket.metas
+        extra: dict[str, Any] = {"load_format": FLAT_FORMAT} if self.flat else {}
         posts: dict[asyncio.Future[Any], WeightUpdateEngine] = {
             asyncio.ensure_future(
                 engine.update_weights_from_distributed(
@@ -469,6 +541,7 @@ class WeightPusher:
                     flush_cache=flush_cache,
                     weight_version=weight_version,
                     abort_all_requests=False,
+                    **extra,
                 )
             ): engine
             for engine in self.engines
@@ -491,12 +564,147 @@ class WeightPusher:
             self.group.mark_broken(f"a weight push failed mid-bucket: {exc}")
             raise
 
-    def _broadcast_bucket(self, bucket: list[tuple[TensorMeta, torch.Tensor]]) -> None:
-        device = self.group.device
-        for meta, tensor in bucket:
-            # Moving/casting one tensor at a time keeps the extra memory to one tensor, not one bucket.
-            wire = tensor.detach().to(device=device, dtype=torch_dtype(meta.dtype)).contiguous()
-            self.group.broadcast(wire, src=0)
+    def _broadcast_bucket(self, bucket: PackedBucket) -> None:
+        # Every receiver allocates exactly the announced bytes; a broadcast of another size would abort it (SIGABRT
+        # in gloo), so the sizes are checked here, before anything is sent.
+        announced = sum(m.nbytes for m in bucket.metas)
+        if bucket.nbytes != announced:
+            raise SyncError(f"a bucket of {bucket.nbytes} bytes was announced as {announced}; nothing was sent")
+        if self.flat:
+            self.group.broadcast(bucket.flat, src=0)
+            return
+        for _, tensor in bucket.tensors():
+            self.group.broadcast(tensor.contiguous(), src=0)
+
+
+def _is_packed(weights: Weights) -> bool:
+    return isinstance(weights, Sequence) and len(weights) > 0 and isinstance(weights[0], PackedBucket)
+
+
+class _Prepacked:
+    """Buckets packed before the push (a snapshot), handed out in order."""
+
+    def __init__(self, buckets: Sequence[PackedBucket]) -> None:
+        self._buckets = list(buckets)
+        self._next = 0
+        self.peak_buffer_bytes = sum(b.nbytes for b in self._buckets)
+        self.zero_copy_bytes = sum(b.nbytes for b in self._buckets if b.zero_copy)
+
+    async def next(self) -> tuple[PackedBucket, bool] | None:
+        if self._next >= len(self._buckets):
+            return None
+        self._next += 1
+        return self._buckets[self._next - 1], self._next == len(self._buckets)
+
+    async def abort(self) -> None:
+        pass
+
+
+class _Streamed:
+    """``BucketPacker.stream`` run in a thread: the next bucket is packed while the current one is sent.
+
+    The thread hands a bucket over only once the consumer is done with the one before (it asks for the next), so at
+    most two buckets are alive: the one being sent and the one packed ahead, plus the tensor in hand. Bucket buffers
+    alone would bound copied buckets, but a zero-copy bucket takes none: without this, the thread would run through
+    the exporter ahead of the sends, holding every tensor it gathered (a TP/EP gather makes a new one) until sent.
+    Holding a zero-copy bucket until it was sent is what keeps it valid: its view keeps the tensor's memory alive,
+    and nothing writes a parameter during a streamed push (the next optimizer step waits for it).
+    """
+
+    def __init__(self, packer: BucketPacker, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._packer = packer
+        self._loop = asyncio.get_running_loop()
+        self._items: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self._stop = threading.Event()
+        self._done = self._loop.create_future()
+        self._room = threading.Condition()
+        self._unsent = 0  # buckets handed over that the consumer has not finished with
+        self._holding = False  # the consumer holds a bucket it got from next()
+        thread = threading.Thread(target=self._run, args=(named,), name="sluice-weight-pack", daemon=True)
+        thread.start()
+
+    @property
+    def peak_buffer_bytes(self) -> int:
+        return self._packer.stats.peak_buffer_bytes
+
+    @property
+    def zero_copy_bytes(self) -> int:
+        return self._packer.stats.zero_copy_bytes
+
+    def _hand_over(self, kind: str, value: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._items.put_nowait, (kind, value))
+        except RuntimeError:
+            pass  # the loop is gone: the push already failed and its caller moved on
+
+    def _wait_for_room(self) -> None:
+        with self._room:
+            while self._unsent >= 1 and not self._stop.is_set():
+                self._room.wait()
+            self._unsent += 1
+
+    def _run(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        try:
+            for item in self._packer.stream(named, self._stop):
+                self._wait_for_room()
+                self._hand_over("bucket", item)
+            self._hand_over("end", None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting push, not swallowed
+            self._hand_over("error", exc)
+        finally:
+            try:
+                self._loop.call_soon_threadsafe(lambda: self._done.done() or self._done.set_result(None))
+            except RuntimeError:
+                pass
+
+    async def next(self) -> tuple[PackedBucket, bool] | None:
+        """The next bucket; calling it means the consumer has sent (and released) the one it got before."""
+        if self._holding:
+            self._holding = False
+            with self._room:
+                self._unsent -= 1
+                self._room.notify_all()
+        kind, value = await self._items.get()
+        if kind == "error":
+            raise value
+        self._holding = kind == "bucket"
+        return value if kind == "bucket" else None
+
+    async def abort(self) -> None:
+        """Stop packing (the source is still drained) and wait for the thread; buckets not sent are given back."""
+        self._stop.set()
+        self._packer.slots.abort()
+        with self._room:
+            self._room.notify_all()
+        await self._done
+        while not self._items.empty():
+            kind, value = self._items.get_nowait()
+            if kind == "bucket":
+                value[0].release()
+
+
+async def engines_dtype(engines: Sequence[WeightUpdateEngine], fallback: str | None) -> str | None:
+    """The dtype to send floats in: the one every engine holds its weights in (asked through ``weight_dtype`` where
+    an engine has it), else ``fallback`` (the model's own). Engines that disagree get the widest, each casting on load.
+    """
+    asks = [e.weight_dtype() for e in engines if hasattr(e, "weight_dtype")]  # type: ignore[attr-defined]
+    found = {d for d in await asyncio.gather(*asks) if d is not None}
+    if len(found) > 1:
+        widest = max(found, key=lambda d: DTYPE_ITEMSIZE[d])
+        log.warning("the engines hold their weights in %s; the push sends %s, which each casts on load",
+                    sorted(found), widest)
+        return widest
+    return found.pop() if found else fallback
+
+
+async def engines_tp(engines: Sequence[WeightUpdateEngine]) -> list[int]:
+    """Each engine's TP size (``tp_size`` where an engine has it, else 1): how many ranks it takes in the group."""
+
+    async def tp(engine: WeightUpdateEngine) -> int:
+        ask = getattr(engine, "tp_size", None)
+        return int(await ask()) if ask is not None else 1
+
+    return list(await asyncio.gather(*(tp(e) for e in engines)))
 
 
 def _run_in_thread(fn: Callable[[], _T]) -> asyncio.Future[_T]:
@@ -552,6 +760,8 @@ async def _expect_success(
     engines: Sequence[WeightUpdateEngine], calls: Sequence[Any], endpoint: str
 ) -> None:
     tasks = [asyncio.ensure_future(call) for call in calls]
+    if not tasks:
+        return
     await asyncio.wait(tasks)
     for task in tasks:
         # Marks each failure as seen: once the first one raises below, the others would otherwise be reported by

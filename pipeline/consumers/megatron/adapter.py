@@ -6,6 +6,8 @@ Nothing else in sluice sets a megatron flag: the trainer, conversion and checkpo
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,8 +42,9 @@ def use_te_spec(parallel: ParallelConfig) -> bool:
 
 
 def build_transformer_config(model: ModelConfig, parallel: ParallelConfig, *, r3: bool) -> Any:
-    """megatron-core ``TransformerConfig`` for ``model`` laid out as ``parallel``; r3 turns on routing replay."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    """megatron-core ``TransformerConfig`` (``MLATransformerConfig`` for latent attention) for ``model`` laid out as
+    ``parallel``; r3 turns on routing replay."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     check_layout(model, parallel)
     on_cpu = parallel.resolved_device() == "cpu"
@@ -84,7 +87,28 @@ def build_transformer_config(model: ModelConfig, parallel: ParallelConfig, *, r3
     )
     if model.is_moe:
         kwargs.update(_moe_kwargs(model, parallel, r3=r3))
+    if model.mla is not None:
+        return MLATransformerConfig(**kwargs, **_mla_kwargs(model))
     return TransformerConfig(**kwargs)
+
+
+def _mla_kwargs(model: ModelConfig) -> dict[str, Any]:
+    assert model.mla is not None
+    yarn = model.yarn
+    rope: dict[str, Any] = dict(rope_type="rope", rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
+    if yarn is not None:
+        rope = dict(rope_type="yarn", rotary_scaling_factor=yarn.factor, mscale=yarn.mscale,
+                    mscale_all_dim=yarn.mscale_all_dim, beta_fast=yarn.beta_fast, beta_slow=yarn.beta_slow,
+                    original_max_position_embeddings=yarn.original_max_position_embeddings)
+    return dict(
+        q_lora_rank=model.mla.q_lora_rank,
+        kv_lora_rank=model.mla.kv_lora_rank,
+        qk_head_dim=model.mla.qk_nope_head_dim,
+        qk_pos_emb_head_dim=model.mla.qk_rope_head_dim,
+        v_head_dim=model.mla.v_head_dim,
+        rotary_base=model.rope_theta,
+        **rope,
+    )
 
 
 def _moe_kwargs(model: ModelConfig, parallel: ParallelConfig, *, r3: bool) -> dict[str, Any]:
@@ -92,11 +116,21 @@ def _moe_kwargs(model: ModelConfig, parallel: ParallelConfig, *, r3: bool) -> di
         num_moe_experts=model.num_experts,
         moe_ffn_hidden_size=model.moe_ffn_hidden_size,
         moe_router_topk=model.moe_topk,
-        moe_router_score_function="softmax",
-        # HF Qwen3-MoE: softmax over all experts, then top-k, renormalised iff norm_topk_prob. megatron's
-        # pre_softmax=False takes top-k on logits then softmaxes the k (the renormalised form); pre_softmax=True keeps
-        # the full-softmax probabilities (the un-normalised form).
-        moe_router_pre_softmax=not model.norm_topk_prob,
+        moe_router_score_function=model.router_score,
+        # Softmax routers (Qwen3-MoE): softmax over all experts, then top-k, renormalised iff norm_topk_prob.
+        # megatron's pre_softmax=False takes top-k on logits then softmaxes the k (the renormalised form);
+        # pre_softmax=True keeps the full-softmax probabilities (the un-normalised form). Sigmoid routers always
+        # renormalise the chosen scores (the family refuses configs that do not).
+        moe_router_pre_softmax=not model.norm_topk_prob and model.router_score == "softmax",
+        # Aux-loss-free balancing: a bias on the scores that only steers the choice. The train step updates it
+        # (megatron does in finalize_model_grads, which sluice's update path does not call).
+        moe_router_enable_expert_bias=model.router_expert_bias,
+        moe_router_num_groups=model.router_groups if model.router_groups > 1 else None,
+        moe_router_group_topk=model.router_group_topk if model.router_groups > 1 else None,
+        moe_router_topk_scaling_factor=model.routed_scaling_factor if model.routed_scaling_factor != 1.0 else None,
+        # HF's sigmoid router (DeepSeek-V3) computes its logits in fp32, and keeps its weight in fp32 too.
+        moe_router_dtype="fp32" if model.router_score == "sigmoid" else None,
+        moe_shared_expert_intermediate_size=model.shared_expert_ffn_hidden_size or None,
         # RL fine-tuning keeps routing as trained; an aux loss would also make losses differ from the reference.
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
@@ -105,21 +139,32 @@ def _moe_kwargs(model: ModelConfig, parallel: ParallelConfig, *, r3: bool) -> di
         moe_permute_fusion=False,
         moe_router_fusion=False,
         moe_enable_routing_replay=r3,
+        # Leading dense layers (DeepSeek-V3's first_k_dense_replace) as megatron's per-layer pattern.
+        moe_layer_freq=model.moe_layer_pattern,
     )
 
 
-def build_layer_spec(model: ModelConfig, parallel: ParallelConfig) -> Any:
-    """The transformer layer spec: TE on CUDA when available, else megatron-core's local modules."""
-    from megatron.core.models.gpt import gpt_layer_specs as specs
+def build_layer_spec(model: ModelConfig, parallel: ParallelConfig, config: Any) -> Any:
+    """The decoder block spec, one layer spec per layer (dense or MoE as ``config.moe_layer_freq`` says): TE modules
+    on CUDA when available, else megatron-core's local modules."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    num_experts = model.num_experts or None
-    if use_te_spec(parallel):
-        return specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=model.qk_norm
-        )
-    return specs.get_gpt_layer_local_spec(
-        num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=model.qk_norm, normalization="RMSNorm"
-    )
+    te = use_te_spec(parallel)
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm")
+    if model.mla is not None and not te:
+        _local_mla_spec(spec)
+    return spec
+
+
+def _local_mla_spec(spec: Any) -> None:
+    """Make megatron's local spec run MLA: its own core attention cannot (``attention.py``), and its MLA module's TE
+    checks need TE's absence stated (``cpu_shim.patch_mla_without_te``)."""
+    from pipeline.consumers.megatron.attention import LatentCoreAttention
+    from pipeline.consumers.megatron.cpu_shim import patch_mla_without_te
+
+    patch_mla_without_te()
+    for layer in spec.layer_specs:
+        layer.submodules.self_attention.submodules.core_attention = LatentCoreAttention
 
 
 @dataclass(frozen=True)
@@ -150,11 +195,22 @@ class GPTModelArgs:
         )
 
 
-def build_gpt_model_args(model: ModelConfig, parallel: ParallelConfig, *, r3: bool) -> GPTModelArgs:
-    """Arguments of the ``GPTModel`` for ``model`` under ``parallel``."""
+def build_gpt_model_args(model: ModelConfig, parallel: ParallelConfig, *, r3: bool, spec: str | None = None,
+                         hf_config: Mapping[str, Any] | None = None) -> GPTModelArgs:
+    """Arguments of the ``GPTModel`` for ``model`` under ``parallel``; ``spec`` is a ``model.spec`` import path whose
+    function edits the layer spec (``pipeline.models.spec``), ``hf_config`` the config.json it is shown."""
+    config = build_transformer_config(model, parallel, r3=r3)
+    layer_spec = build_layer_spec(model, parallel, config)
+    if spec is not None:
+        from pipeline.models.spec import SpecContext, build_user_spec
+
+        # A copy: megatron's spec builders may hand out shared objects, and the next plain build must not see edits.
+        context = SpecContext(config=config, model=model, hf_config=dict(hf_config or {}),
+                              default=copy.deepcopy(layer_spec))
+        layer_spec = build_user_spec(spec, context)
     return GPTModelArgs(
-        config=build_transformer_config(model, parallel, r3=r3),
-        transformer_layer_spec=build_layer_spec(model, parallel),
+        config=config,
+        transformer_layer_spec=layer_spec,
         vocab_size=model.vocab_size,
         max_sequence_length=model.max_position_embeddings,
         share_embeddings_and_output_weights=model.tie_word_embeddings,

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, SluiceError
 
 _META = "sluice_meta.json"
 _STEP_KEY = "common_step"
@@ -126,7 +126,19 @@ def save_checkpoint(
         staging.mkdir(parents=True)
         (staging / _META).write_text(json.dumps(meta or {}, sort_keys=True))
     _barrier()
-    dist_checkpointing.save(_sharded_state(model, optimizer), str(staging))
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dist_checkpointing.save(_sharded_state(model, optimizer), str(staging))
+    except (Exception, CheckpointException) as e:  # torch's CheckpointException is a BaseException
+        # What megatron reports for a full disk names neither the folder nor the cause ("Worker failure: [enforce
+        # fail at inline_container.cc:672] . unexpected pos 704 vs 598"): say both. Nothing was committed.
+        free = shutil.disk_usage(staging.parent).free
+        raise SluiceError(
+            f"could not write checkpoint {final} ({str(e).strip().splitlines()[-1][:300]}); is the disk under "
+            f"{staging.parent} full ({free / 2**20:.0f} MiB free) or a quota or file-size limit in the way? Nothing "
+            "is lost: the steps since the last checkpoint stay unacked, and the restarted trainer resumes from that "
+            "checkpoint and trains them again") from e
     _barrier()
     if _rank() == 0:
         staging.rename(final)

@@ -1,9 +1,11 @@
-"""HF Qwen3 / Qwen3-MoE weights <-> megatron-core ``GPTModel`` parameters, by hand.
+"""HF checkpoint weights <-> megatron-core ``GPTModel`` parameters, for every family sluice knows.
 
 A hand-written mapping rather than mbridge: mbridge needs eight patches on CPU, knows only the TransformerEngine
 names and ignores ``norm_topk_prob``. The mapping works in two halves:
-- name/layout conversion between full (unsharded) tensors, in ``megatron_from_hf`` / ``megatron_full_to_hf``;
-- sharding: slicing a full tensor down to this rank's TP/EP shard on load, gathering shards back on export.
+- name/layout conversion between full (unsharded) tensors, in ``megatron_from_hf`` / ``megatron_full_to_hf``, by the
+  rules the model's family lists per layer (``pipeline.models.families``);
+- sharding: slicing a full tensor down to this rank's TP/EP shard on load, gathering shards back on export, the
+  same for every family.
 
 HF names are the checkpoint (and SGLang) names, one tensor per expert: ``model.layers.{i}.mlp.experts.{e}.
 {gate,up,down}_proj.weight``. transformers 5 keeps experts fused in memory (``mlp.experts.gate_up_proj``
@@ -13,8 +15,10 @@ HF names are the checkpoint (and SGLang) names, one tensor per expert: ``model.l
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Iterable, Iterator, Mapping
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +27,13 @@ import torch.distributed as dist
 
 from pipeline.consumers.megatron.config import ModelConfig
 from pipeline.errors import ConfigError
+from pipeline.models.families import family
+from pipeline.models.families.mapping import GLOBAL_NAMES, HF_LAYER, MEGATRON_LAYER, Rule
 
 HFStateDict = dict[str, torch.Tensor]
+log = logging.getLogger(__name__)
 
-_LAYER = "decoder.layers.{i}."
-_HF_LAYER = "model.layers.{i}."
+_LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _MEGATRON_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts)\.(\d+)\.(linear_fc[12]\.weight)$")
 
@@ -99,7 +105,7 @@ def unfuse_hf_experts(state: Mapping[str, torch.Tensor]) -> HFStateDict:
 def fuse_hf_experts(state: Mapping[str, torch.Tensor], model: ModelConfig) -> HFStateDict:
     """Inverse of ``unfuse_hf_experts``: per-expert names into transformers-5 fused ``gate_up_proj``/``down_proj``."""
     out = {k: v for k, v in state.items() if ".mlp.experts." not in k}
-    for i in range(model.num_layers if model.is_moe else 0):
+    for i in (i for i in range(model.num_layers) if model.is_moe_layer(i)):
         prefix = f"model.layers.{i}.mlp.experts"
         experts = range(model.num_experts)
         gates = [state[f"{prefix}.{e}.gate_proj.weight"] for e in experts]
@@ -130,58 +136,96 @@ def hf_state_dict(source: HFSource) -> HFStateDict:
     return {name: weights[name] for name in weights}
 
 
-# --- full-tensor layout conversion -------------------------------------------------------------------------------
+# --- full-tensor layout conversion ----------------------------------------------------------------------------------
 
 
-def _qkv_to_megatron(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, model: ModelConfig) -> torch.Tensor:
-    # megatron's linear_qkv is grouped by kv head: for each group, that group's q rows, then its k rows, then v. A
-    # plain cat([q, k, v]) has the same shape and silently wrong logits under GQA.
-    groups, per_group, d = model.num_kv_heads, model.num_attention_heads // model.num_kv_heads, model.head_dim
-    hidden = q.shape[-1]
-    q = q.reshape(groups, per_group * d, hidden)
-    k = k.reshape(groups, d, hidden)
-    v = v.reshape(groups, d, hidden)
-    return torch.cat([q, k, v], dim=1).reshape(-1, hidden)
+@lru_cache(maxsize=64)
+def _layer_rules(model: ModelConfig, layer: int) -> dict[str, Rule]:
+    """The family's rules of one layer, by megatron suffix (cached: a layer of 256 experts has 512 rules)."""
+    return {rule.megatron: rule for rule in family(model.family).layer_rules(model, layer)}
 
 
-def _qkv_to_hf(qkv: torch.Tensor, model: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    groups, per_group, d = model.num_kv_heads, model.num_attention_heads // model.num_kv_heads, model.head_dim
-    hidden = qkv.shape[-1]
-    q, k, v = qkv.reshape(groups, (per_group + 2) * d, hidden).split([per_group * d, d, d], dim=1)
-    return q.reshape(-1, hidden), k.reshape(-1, hidden), v.reshape(-1, hidden)
+def _layer_rule(name: str, model: ModelConfig) -> tuple[int, Rule]:
+    match = _LAYER_NAME.match(name)
+    rule = None
+    if match is not None and int(match.group(1)) < model.num_layers:
+        rule = _layer_rules(model, int(match.group(1))).get(match.group(2))
+    if match is None or rule is None:
+        raise ConfigError(f"megatron parameter {name!r} has no HF counterpart in sluice's {model.family} mapping")
+    return int(match.group(1)), rule
 
 
-def _layer_pairs(model: ModelConfig) -> list[tuple[str, str]]:
-    """(megatron suffix, HF suffix) for the one-to-one tensors of a layer."""
-    pairs = [
-        ("input_layernorm.weight", "input_layernorm.weight"),
-        ("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
-        ("self_attention.linear_proj.weight", "self_attn.o_proj.weight"),
-    ]
-    if model.qk_norm:
-        pairs += [
-            ("self_attention.q_layernorm.weight", "self_attn.q_norm.weight"),
-            ("self_attention.k_layernorm.weight", "self_attn.k_norm.weight"),
-        ]
-    if model.is_moe:
-        pairs.append(("mlp.router.weight", "mlp.gate.weight"))
-    else:
-        pairs.append(("mlp.linear_fc2.weight", "mlp.down_proj.weight"))
-    return pairs
+def _has_rule(name: str, model: ModelConfig) -> bool:
+    if name in GLOBAL_NAMES:
+        return True
+    match = _LAYER_NAME.match(name)
+    return (match is not None and int(match.group(1)) < model.num_layers
+            and match.group(2) in _layer_rules(model, int(match.group(1))))
+
+
+def spec_weights(mg_model: torch.nn.Module, model: ModelConfig) -> dict[str, str | None]:
+    """The weights user modules (``model.spec``) added, which the family's mapping does not know: local-spec name ->
+    the HF name their module declares in ``hf_weights`` (``pipeline.models.spec``), or None where it declares none.
+
+    Empty for a model built without a spec (or with one that swaps modules without adding weights).
+    """
+    from pipeline.models.spec import HF_WEIGHTS_ATTR
+
+    out: dict[str, str | None] = {}
+    for name, _ in _named_parameters(mg_model):
+        if _has_rule(_global_name(name, 0), model):
+            continue
+        parts = name.split(".")
+        owners = [mg_model.get_submodule(".".join(parts[:cut])) for cut in range(len(parts) - 1, 0, -1)]
+        if not any(_is_user_module(m) for m in owners):
+            continue  # a gap in the family's own mapping: megatron_from_hf / megatron_full_to_hf name it
+        out[name] = None
+        for cut, owner in zip(range(len(parts) - 1, 0, -1), owners):  # the innermost declaring module wins
+            declared = getattr(owner, HF_WEIGHTS_ATTR, None)
+            if declared is None or ".".join(parts[cut:]) not in declared:
+                continue
+            hf_name = str(declared[".".join(parts[cut:])])
+            match = _LAYER_NAME.match(name)
+            out[name] = HF_LAYER.format(i=int(match.group(1))) + hf_name if match else hf_name
+            break
+    return out
+
+
+_LIBRARY_MODULES = ("megatron.", "transformer_engine", "torch.", "pipeline.")
+
+
+def _is_user_module(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a class of user code (a ``model.spec`` module) rather than megatron's, TE's or sluice's."""
+    return declares_hf_weights(module) or not type(module).__module__.startswith(_LIBRARY_MODULES)
+
+
+def declares_hf_weights(module: torch.nn.Module) -> bool:
+    """Whether ``module`` names its weights for HF checkpoints (``pipeline.models.spec``)."""
+    from pipeline.models.spec import HF_WEIGHTS_ATTR
+
+    return getattr(module, HF_WEIGHTS_ATTR, None) is not None
+
+
+def check_exportable(mg_model: torch.nn.Module, model: ModelConfig) -> dict[str, str]:
+    """The spec weights' HF names; ConfigError naming the weights when a user module declares none for some (they
+    could not be written to an HF folder or pushed to an engine)."""
+    extra = spec_weights(mg_model, model)
+    undeclared = sorted(name for name, hf_name in extra.items() if hf_name is None)
+    if undeclared:
+        shown = ", ".join(undeclared[:4]) + (f" and {len(undeclared) - 4} more" if len(undeclared) > 4 else "")
+        raise ConfigError(
+            f"model.spec added weights with no HF name: {shown}. They cannot be exported to an HF folder or pushed "
+            f"to rollout engines; declare them in their module's class attribute `hf_weights` (parameter name -> HF "
+            "name under model.layers.{i}., docs/plugins.md), or run without pushing or exporting"
+        )
+    return {name: hf_name for name, hf_name in extra.items() if hf_name is not None}
 
 
 def megatron_names(model: ModelConfig) -> list[str]:
-    """Full-model megatron local-spec parameter names (global expert ids), in model order."""
+    """Full-model megatron local-spec tensor names (global expert ids), in model order."""
     names = ["embedding.word_embeddings.weight"]
     for i in range(model.num_layers):
-        mg = _LAYER.format(i=i)
-        names += [mg + suffix for suffix, _ in _layer_pairs(model)]
-        names.append(mg + "self_attention.linear_qkv.weight")
-        if model.is_moe:
-            for e in range(model.num_experts):
-                names += [f"{mg}mlp.experts.local_experts.{e}.linear_fc{fc}.weight" for fc in (1, 2)]
-        else:
-            names.append(mg + "mlp.linear_fc1.weight")
+        names += [MEGATRON_LAYER.format(i=i) + suffix for suffix in _layer_rules(model, i)]
     names.append("decoder.final_layernorm.weight")
     if not model.tie_word_embeddings:
         names.append("output_layer.weight")
@@ -190,33 +234,11 @@ def megatron_names(model: ModelConfig) -> list[str]:
 
 def megatron_from_hf(name: str, hf: Mapping[str, torch.Tensor], model: ModelConfig) -> torch.Tensor:
     """One full (unsharded) megatron local-spec tensor (global expert ids) from per-expert HF tensors."""
-    fixed = {
-        "embedding.word_embeddings.weight": "model.embed_tokens.weight",
-        "decoder.final_layernorm.weight": "model.norm.weight",
-        "output_layer.weight": "lm_head.weight",
-    }
-    if name in fixed:
-        return _require(hf, fixed[name])
-    match = re.match(r"^decoder\.layers\.(\d+)\.(.+)$", name)
-    if match is None:
-        raise ConfigError(f"megatron parameter {name!r} has no HF counterpart in sluice's Qwen3 mapping")
-    h, suffix = _HF_LAYER.format(i=int(match.group(1))), match.group(2)
-    for mg_suffix, hf_suffix in _layer_pairs(model):
-        if suffix == mg_suffix:
-            return _require(hf, h + hf_suffix)
-    if suffix == "self_attention.linear_qkv.weight":
-        q, k, v = (_require(hf, f"{h}self_attn.{p}_proj.weight") for p in "qkv")
-        return _qkv_to_megatron(q, k, v, model)
-    # fc1 = cat(gate, up), gate first: megatron's GLU applies the activation to the first half.
-    if suffix == "mlp.linear_fc1.weight":
-        return torch.cat([_require(hf, h + "mlp.gate_proj.weight"), _require(hf, h + "mlp.up_proj.weight")])
-    expert = re.match(r"^mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight$", suffix)
-    if expert is not None:
-        src = f"{h}mlp.experts.{expert.group(1)}."
-        if expert.group(2) == "2":
-            return _require(hf, src + "down_proj.weight")
-        return torch.cat([_require(hf, src + "gate_proj.weight"), _require(hf, src + "up_proj.weight")])
-    raise ConfigError(f"megatron parameter {name!r} has no HF counterpart in sluice's Qwen3 mapping")
+    if name in GLOBAL_NAMES:
+        return _require(hf, GLOBAL_NAMES[name])
+    layer, rule = _layer_rule(name, model)
+    prefix = HF_LAYER.format(i=layer)
+    return rule.join([_require(hf, prefix + suffix) for suffix in rule.hf])
 
 
 def hf_to_megatron_full(hf: Mapping[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
@@ -225,36 +247,12 @@ def hf_to_megatron_full(hf: Mapping[str, torch.Tensor], model: ModelConfig) -> d
 
 
 def megatron_full_to_hf(name: str, tensor: torch.Tensor, model: ModelConfig) -> list[tuple[str, torch.Tensor]]:
-    """HF (name, tensor) pairs for one full megatron tensor (global expert ids); [] for tensors HF lacks."""
-    fixed = {
-        "embedding.word_embeddings.weight": "model.embed_tokens.weight",
-        "decoder.final_layernorm.weight": "model.norm.weight",
-        "output_layer.weight": "lm_head.weight",
-    }
-    if name in fixed:
-        return [(fixed[name], tensor)]
-    match = re.match(r"^decoder\.layers\.(\d+)\.(.+)$", name)
-    if match is None:
-        raise ConfigError(f"megatron parameter {name!r} has no HF counterpart in sluice's Qwen3 mapping")
-    i, suffix = int(match.group(1)), match.group(2)
-    h = _HF_LAYER.format(i=i)
-    for mg_suffix, hf_suffix in _layer_pairs(model):
-        if suffix == mg_suffix:
-            return [(h + hf_suffix, tensor)]
-    if suffix == "self_attention.linear_qkv.weight":
-        q, k, v = _qkv_to_hf(tensor, model)
-        return [(f"{h}self_attn.{p}_proj.weight", t) for p, t in zip("qkv", (q, k, v))]
-    if suffix == "mlp.linear_fc1.weight":
-        gate, up = tensor.chunk(2, dim=0)
-        return [(h + "mlp.gate_proj.weight", gate), (h + "mlp.up_proj.weight", up)]
-    expert = re.match(r"^mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight$", suffix)
-    if expert is not None:
-        e, fc = expert.groups()
-        if fc == "2":
-            return [(f"{h}mlp.experts.{e}.down_proj.weight", tensor)]
-        gate, up = tensor.chunk(2, dim=0)
-        return [(f"{h}mlp.experts.{e}.gate_proj.weight", gate), (f"{h}mlp.experts.{e}.up_proj.weight", up)]
-    raise ConfigError(f"megatron parameter {name!r} has no HF counterpart in sluice's Qwen3 mapping")
+    """HF (name, tensor) pairs for one full megatron tensor (global expert ids)."""
+    if name in GLOBAL_NAMES:
+        return [(GLOBAL_NAMES[name], tensor)]
+    layer, rule = _layer_rule(name, model)
+    prefix = HF_LAYER.format(i=layer)
+    return [(prefix + suffix, part) for suffix, part in zip(rule.hf, rule.split(tensor), strict=True)]
 
 
 def _require(hf: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -314,6 +312,7 @@ def _global_name(name: str, offset: int) -> str:
 
 # The TE layer spec fuses the pre-attention and (dense) pre-MLP norms into the following linear layer; everything
 # else keeps the local spec's name. Normalising to local names lets one mapping serve both specs.
+_EXPERT_BIAS = ".mlp.router.expert_bias"
 _TE_FUSED_NORMS = (
     ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
     ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
@@ -321,12 +320,17 @@ _TE_FUSED_NORMS = (
 
 
 def _named_parameters(mg_model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(local-spec name, parameter); tied output weights appear once, as the embedding."""
+    """(local-spec name, tensor) of every weight an HF checkpoint holds: the parameters (tied output weights
+    appear once, as the embedding) and the routers' expert biases, which megatron keeps as buffers (they are set by
+    a rule, not by gradients) while HF checkpoints store them as ``e_score_correction_bias``."""
     for name, param in mg_model.named_parameters():
         for te_suffix, local_suffix in _TE_FUSED_NORMS:
             if name.endswith(te_suffix):
                 name = name[: -len(te_suffix)] + local_suffix
         yield name, param
+    for name, buffer in mg_model.named_buffers():
+        if name.endswith(_EXPERT_BIAS):
+            yield name, buffer
 
 
 class _Recording(Mapping[str, torch.Tensor]):
@@ -356,8 +360,15 @@ def load_hf_into_megatron(mg_model: torch.nn.Module, source: HFSource, model: Mo
     """
     hf = _Recording(hf_weights(source))
     offset = _expert_offset(model) if model.is_moe else 0
+    extra = _spec_weights_to_load(mg_model, model, hf)
     for name, param in _named_parameters(mg_model):
-        full = megatron_from_hf(_global_name(name, offset), hf, model)
+        if name in extra:
+            hf_name = extra[name]
+            if hf_name is None:
+                continue  # a plain checkpoint: the user module keeps its own initial values
+            full = hf[hf_name]
+        else:
+            full = megatron_from_hf(_global_name(name, offset), hf, model)
         rank, size = _parallel_coords(".mlp.experts." in name)
         shard = _shard(full, param, name, rank, size)
         if shard.shape != param.shape:
@@ -369,15 +380,38 @@ def load_hf_into_megatron(mg_model: torch.nn.Module, source: HFSource, model: Mo
     _check_all_used(hf, model)
 
 
+def _spec_weights_to_load(mg_model: torch.nn.Module, model: ModelConfig,
+                          hf: Mapping[str, torch.Tensor]) -> dict[str, str | None]:
+    """Spec weights -> the HF name to load each from, or None to keep the module's initial value: all of them when the
+    checkpoint holds none (a plain HF model, the usual start), all of them when it holds every one (one this spec
+    exported); a checkpoint with only some is refused (it was written by another spec)."""
+    extra = spec_weights(mg_model, model)
+    present = {name for name, hf_name in extra.items() if hf_name is not None and hf_name in hf}
+    if not present:
+        if extra:
+            log.info("model.spec weights not in the HF checkpoint keep their initial values: %s",
+                     ", ".join(sorted(extra)[:4]) + (" ..." if len(extra) > 4 else ""))
+        return dict.fromkeys(extra)
+    missing = sorted(set(extra) - present)
+    if missing:
+        raise ConfigError(
+            f"the HF checkpoint holds some of model.spec's weights but not {missing[:4]} (their HF names: "
+            f"{[extra[m] for m in missing[:4]]}); it was written for another spec or model"
+        )
+    return extra
+
+
 def _check_all_used(hf: _Recording, model: ModelConfig) -> None:
     # Experts of other EP ranks are legitimately unread here, and a tied model's checkpoint may still carry lm_head;
     # anything else unread means the ModelConfig describes a different model than the checkpoint.
     ignorable = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.")
-    unused = [n for n in hf if n not in hf.read and not ignorable.match(n)]
+    fam = family(model.family)
+    unused = [n for n in hf if n not in hf.read and not ignorable.match(n) and not fam.ignored_hf_tensor(n, model)]
     if model.tie_word_embeddings and "lm_head.weight" in unused:
         unused.remove("lm_head.weight")
     if unused:
-        raise ConfigError(f"HF tensors with no megatron parameter: {unused[:5]} (the ModelConfig does not match)")
+        raise ConfigError(f"HF tensors with no megatron parameter: {unused[:5]} (the ModelConfig does not match, or "
+                          "the checkpoint was exported from a model with a model.spec whose weights these are)")
 
 
 # --- export (weight push) ------------------------------------------------------------------------------------------
@@ -416,9 +450,14 @@ def iter_hf_weights(
 
     single = not dist.is_initialized() or dist.get_world_size() == 1
     is_root = single or dist.get_rank() == 0
+    # Every rank checks (and refuses) before the first collective, so a refusal cannot leave a rank in a gather.
+    extra = check_exportable(mg_model, model)
     for name, param in _named_parameters(mg_model):
         match = _MEGATRON_EXPERT.match(name)
-        if match is None:
+        if name in extra:
+            full = param.detach() if single else _unshard(param, name, ps.get_tensor_model_parallel_group())
+            items = [(extra[name], full)]
+        elif match is None:
             full = param.detach() if single else _unshard(param, name, ps.get_tensor_model_parallel_group())
             items = megatron_full_to_hf(name, full, model)
         else:

@@ -1,7 +1,9 @@
-"""Four patches that let stock megatron-core 0.16 train on a machine without CUDA.
+"""Four patches that let stock megatron-core 0.16 train on a machine without CUDA, and one more for multi-head latent
+attention without TransformerEngine.
 
 Each patch is applied only when CUDA is absent, only on the megatron-core versions it was checked against, and at
-most once per process. On a GPU machine ``apply_cpu_shim`` does nothing.
+most once per process. On a GPU machine ``apply_cpu_shim`` does nothing. ``patch_mla_without_te`` applies whenever
+MLA runs on megatron's local spec (no TE), under the same version check.
 """
 
 from __future__ import annotations
@@ -37,6 +39,16 @@ def cpu_shim_needed() -> bool:
     return not torch.cuda.is_available()
 
 
+def _check_version() -> None:
+    found = megatron_core_version()
+    if not (_MIN_VERSION <= found < _MAX_VERSION_EXCLUSIVE):
+        raise ConfigError(
+            f"sluice's CPU patches for megatron-core were checked against {_MIN_VERSION} <= version < "
+            f"{_MAX_VERSION_EXCLUSIVE}, but {found} is installed. Install megatron-core==0.16.1 for CPU runs, "
+            "or run on a CUDA machine."
+        )
+
+
 def apply_cpu_shim() -> bool:
     """Patch megatron-core for CPU when CUDA is absent; return whether the patches are in place.
 
@@ -47,13 +59,8 @@ def apply_cpu_shim() -> bool:
         return True
     if not cpu_shim_needed():
         return False
+    _check_version()
     found = megatron_core_version()
-    if not (_MIN_VERSION <= found < _MAX_VERSION_EXCLUSIVE):
-        raise ConfigError(
-            f"sluice's CPU patches for megatron-core were checked against {_MIN_VERSION} <= version < "
-            f"{_MAX_VERSION_EXCLUSIVE}, but {found} is installed. Install megatron-core==0.16.1 for CPU runs, "
-            "or run on a CUDA machine."
-        )
     _patch_cuda_device_queries()
     _install_cpu_rng_tracker()
     _define_missing_te_gemm()
@@ -172,3 +179,26 @@ def _host_dtoh_and_synchronize(self: Any, point: str, tokens_per_expert: torch.T
         self.output_splits = _as_numpy(self.output_splits)
         self.output_splits_tp = _as_numpy(self.output_splits_tp)
     return tokens_per_expert
+
+
+# --- patch 5: MLA's TransformerEngine checks without TransformerEngine ---------------------------------------------
+
+
+def patch_mla_without_te() -> bool:
+    """Tell megatron's MLA module that TE is absent, when it is; return whether the flag was changed.
+
+    0.16.1's ``multi_latent_attention`` sets ``HAVE_TE = True`` although TE is not installed (its TE names are then
+    placeholders), and ``isinstance(x, TELinear)`` on a placeholder raises in every MLA layer's constructor.
+    """
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        return False
+    _check_version()
+    from megatron.core.transformer import multi_latent_attention
+
+    changed = bool(multi_latent_attention.HAVE_TE)
+    multi_latent_attention.HAVE_TE = False
+    return changed

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -13,6 +14,7 @@ import torch.distributed as dist
 from pipeline.consumers.megatron.adapter import build_gpt_model_args
 from pipeline.consumers.megatron.config import ModelConfig, ParallelConfig, check_layout
 from pipeline.consumers.megatron.cpu_shim import apply_cpu_shim, seed_cpu_rng
+from pipeline.consumers.megatron.fixes import fix_expert_bias_padding_mask
 from pipeline.errors import ConfigError
 
 
@@ -98,11 +100,14 @@ def shutdown_parallel() -> None:
         dist.destroy_process_group()
 
 
-def build_gpt_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, *, r3: bool) -> Any:
+def build_gpt_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, *, r3: bool, spec: str | None = None,
+                    hf_config: Mapping[str, Any] | None = None) -> Any:
     """The rank-local megatron-core ``GPTModel``; ``init_parallel`` must have run.
 
     r3 turns on megatron's built-in router replay; the global replay registry is cleared first, because megatron
-    appends one RouterReplay per MoE layer of every model built in the process.
+    appends one RouterReplay per MoE layer of every model built in the process. ``spec`` names a ``model.spec``
+    function that swaps user modules into the layer spec (``pipeline.models.spec``); ``hf_config`` is the HF
+    config.json it is shown.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -111,8 +116,10 @@ def build_gpt_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, *, r3:
     if not ps.model_parallel_is_initialized():
         raise ConfigError("build_gpt_model needs megatron's process groups; call init_parallel(parallel_cfg) first")
     check_layout(model_cfg, parallel_cfg)
+    if model_cfg.router_expert_bias:
+        fix_expert_bias_padding_mask()
     RouterReplay.clear_global_router_replay_instances()
-    args = build_gpt_model_args(model_cfg, parallel_cfg, r3=r3)
+    args = build_gpt_model_args(model_cfg, parallel_cfg, r3=r3, spec=spec, hf_config=hf_config)
     model = GPTModel(**args.kwargs())
     if parallel_cfg.resolved_device() == "cuda":
         model = model.cuda()
@@ -133,8 +140,13 @@ def causal_attention_mask(seq_len: int, device: torch.device) -> torch.Tensor:
     return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]
 
 
-def forward_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Rank-local logits [batch, seq, vocab / tp] of a right-padded batch; ``attention_mask`` is 1 on real tokens."""
+def forward_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Rank-local logits [batch, seq, vocab / tp] of a right-padded batch; ``attention_mask`` is 1 on real tokens.
+
+    ``padding_mask`` (True = leave out) names the positions the routers leave out of their per-expert token counts
+    (the expert-bias update's input); default: the padding. Routing and logits do not depend on it.
+    """
     _check_batch(input_ids, attention_mask)
     batch, seq = input_ids.shape
     device = input_ids.device
@@ -143,8 +155,7 @@ def forward_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
         input_ids=input_ids,
         position_ids=position_ids,
         attention_mask=causal_attention_mask(seq, device),
-        # Keeps pad tokens out of megatron's per-expert token counts; routing itself is unaffected.
-        padding_mask=attention_mask == 0,
+        padding_mask=attention_mask == 0 if padding_mask is None else padding_mask,
     )
 
 
@@ -185,8 +196,10 @@ def _check_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
 def _tp_partial_grad(name: str, param: torch.Tensor, config: Any) -> bool:
     # Weights replicated across TP ranks whose gradient each rank sees only in part: the q/k norms act on the rank's
     # own heads, and under sequence parallelism the norms see only the rank's slice of tokens. megatron's
-    # finalize_model_grads sums these over TP; without DDP, sluice must do the same.
-    qk_norm = config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)
+    # finalize_model_grads sums these over TP; without DDP, sluice must do the same. MLA's q/kv norms act on the
+    # whole (gathered) latent, so each TP rank already holds their full gradient.
+    per_head = config.qk_layernorm and not getattr(config, "multi_latent_attention", False)
+    qk_norm = per_head and ("q_layernorm" in name or "k_layernorm" in name)
     return qk_norm or (config.sequence_parallel and getattr(param, "sequence_parallel", False))
 
 

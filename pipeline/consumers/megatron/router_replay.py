@@ -161,8 +161,8 @@ class RouterReplay:
 
     @classmethod
     def for_model(cls, model_cfg: Any) -> RouterReplay:
-        """A replayer sized for a sluice ``ModelConfig`` (every layer is an MoE layer)."""
-        return cls(num_layers=model_cfg.num_layers, topk=model_cfg.moe_topk, num_experts=model_cfg.num_experts)
+        """A replayer sized for a sluice ``ModelConfig`` (its MoE layers; dense layers have no router)."""
+        return cls(num_layers=model_cfg.num_moe_layers, topk=model_cfg.moe_topk, num_experts=model_cfg.num_experts)
 
     def _set(self, action: Any) -> None:
         self._mrr.RouterReplay.set_global_router_replay_action(action)

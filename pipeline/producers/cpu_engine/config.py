@@ -36,6 +36,9 @@ class CpuEngineConfig(BaseModel):
     """Longest prompt + output in tokens; defaults to the model's max_position_embeddings."""
     num_threads: int | None = Field(default=None, ge=1, le=1024)
     """torch intra-op threads; None keeps torch's default (which honours OMP_NUM_THREADS)."""
+    tp: int = Field(default=1, ge=1, le=64)
+    """Ranks the engine holds in the trainer's weight group, as an SGLang server with this TP size does; each receives
+    every broadcast, rank 0 applies it (the model itself is not sharded)."""
     initial_weight_version: str = "0"
     """weight_version reported before the first weight update."""
     hold_until_update: bool = False
@@ -44,5 +47,11 @@ class CpuEngineConfig(BaseModel):
     seed: int = Field(default=0, ge=0)
     """Seeds the process RNG that requests without a sampling_seed draw from (batched, so their draws depend on
     what they are batched with; a request that must repeat itself passes sampling_seed)."""
+    patch: str | None = None
+    """``package.module:function`` called with the loaded transformers model to add the modules a trainer-side
+    ``model.spec`` adds (the recipe's ``model.engine_patch``); tensors of the folder that only the patched model
+    knows are loaded after it ran."""
+    plugin_paths: list[str] = []
+    """Folders ``patch`` is imported from (the recipe's ``plugins.paths``)."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Logging level of the engine process."""

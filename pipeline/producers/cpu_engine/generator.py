@@ -34,6 +34,21 @@ KV = list[tuple[torch.Tensor, torch.Tensor]]
 ROUTING_FLUSH_STEPS = 64
 
 
+@dataclass(frozen=True)
+class StopStrings:
+    """A sequence's stop strings and the detokenizer that looks for them, the way SGLang does: after each token, the
+    decoded tail of the output (as many tokens as the longest string has characters, plus one) is searched."""
+
+    strings: tuple[str, ...]
+    decode: Callable[[list[int]], str]
+
+    def matched(self, output_ids: list[int]) -> str | None:
+        """The stop string the output now contains, or None."""
+        longest = max(len(s) for s in self.strings)
+        tail = self.decode(output_ids[-(longest + 1) :])
+        return next((s for s in self.strings if s in tail), None)
+
+
 @dataclass(eq=False)
 class Sequence:
     """One sample being generated: its options, and the tokens, logprobs, versions and routing produced so far."""
@@ -46,6 +61,7 @@ class Sequence:
     generator: torch.Generator | None
     input_logprob_start: int = -1
     rid: str = ""
+    stop_strings: StopStrings | None = None
     on_finish: Callable[[Sequence], None] | None = None
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
@@ -162,6 +178,8 @@ class BatchGenerator:
     def _finish_reason(self, seq: Sequence, token: int) -> dict[str, Any] | None:
         if token in seq.stop_ids or (not seq.ignore_eos and token in self.eos_ids):
             return {"type": "stop", "matched": token}
+        if seq.stop_strings is not None and (matched := seq.stop_strings.matched(seq.output_ids)) is not None:
+            return {"type": "stop", "matched": matched}
         if len(seq.output_ids) >= seq.max_new_tokens:
             return {"type": "length", "length": len(seq.output_ids)}
         if len(seq.prompt_ids) + len(seq.output_ids) >= self.max_context_len:
@@ -193,37 +211,47 @@ class BatchGenerator:
     def admit(self, seqs: list[Sequence]) -> list[Sequence]:
         """Prefill ``seqs`` in one forward, sample their first token and add the unfinished ones to the batch.
 
-        Returns the sequences that finished on their first token.
+        Sequences with the same prompt (the ``n`` samples of one request, a GRPO group) share one prefill row: the
+        forward sees each distinct prompt once, and its logits, cache and routing rows are copied to every sequence
+        of that prompt, exactly as if each had been prefilled alone. Returns the sequences that finished on their
+        first token.
         """
         self._flush_routing()  # the prefill's routing is taken alone, and the merge needs the buffer up to date
-        lengths = [len(s.prompt_ids) for s in seqs]
+        rows: dict[tuple[int, ...], int] = {}
+        source = [rows.setdefault(tuple(s.prompt_ids), len(rows)) for s in seqs]
+        prompts = list(rows)
+        lengths = [len(p) for p in prompts]
         width = max(lengths)
-        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros(len(seqs), width, dtype=torch.long)
-        for i, seq in enumerate(seqs):
-            ids[i, width - lengths[i] :] = torch.tensor(seq.prompt_ids, dtype=torch.long)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros(len(prompts), width, dtype=torch.long)
+        for i, prompt in enumerate(prompts):
+            ids[i, width - lengths[i] :] = torch.tensor(prompt, dtype=torch.long)
             mask[i, width - lengths[i] :] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         keep_all = any(s.input_logprob_start >= 0 for s in seqs)
         fwd = self._forward(ids, mask, pos, [], keep_all, take_routing=True)
-        next_tokens = self._emit_all(seqs, fwd.logits[:, -1])
+        expand = torch.tensor(source, dtype=torch.long)
+        logits = fwd.logits[expand]
+        routing = None if fwd.routing is None else fwd.routing[expand]
+        next_tokens = self._emit_all(seqs, logits[:, -1])
         for i, seq in enumerate(seqs):
-            offset = width - lengths[i]
+            offset = width - lengths[source[i]]
             if seq.input_logprob_start >= 0:
-                seq.input_logprobs = self._input_logprobs(seq, fwd.logits[i, offset:])
-            if seq.finished and fwd.routing is not None:
-                seq.routing = fwd.routing[i, offset:].clone()  # the others' rows travel in the batch's buffer
+                seq.input_logprobs = self._input_logprobs(seq, logits[i, offset:])
+            if seq.finished and routing is not None:
+                seq.routing = routing[i, offset:].clone()  # the others' rows travel in the batch's buffer
         alive = [i for i, s in enumerate(seqs) if not s.finished]
         if alive:
             index = torch.tensor(alive, dtype=torch.long)
-            kv = [(k[index], v[index]) for k, v in fwd.kv]
+            row = expand[index]
+            kv = [(k[row], v[row]) for k, v in fwd.kv]
             self._merge(
                 [seqs[i] for i in alive],
                 kv,
-                mask[index],
-                torch.tensor([lengths[i] for i in alive]),
+                mask[row],
+                torch.tensor([lengths[source[i]] for i in alive]),
                 torch.tensor([next_tokens[i] for i in alive]),
-                None if fwd.routing is None else fwd.routing[index],
+                None if routing is None else routing[index],
             )
         return [s for s in seqs if s.finished]
 

@@ -1,8 +1,8 @@
 """The ``/generate`` request and response, in SGLang 0.5.23's field names.
 
 Only the fields sluice uses are modelled; other SGLang fields are accepted and reported as ignored (a warning in the
-engine log), except the ones whose silent omission would change results (``stop`` strings, ``stream``), which are
-refused with a 400 that says what to use instead.
+engine log), except the ones whose silent omission would change results (``stream``, ``min_p``), which are refused
+with a 400 that says what to use instead.
 
 Conventions this engine fixes, and that the client and trainer rely on:
 
@@ -51,7 +51,8 @@ class SamplingParams(BaseModel):
     stop_token_ids: list[int] | None = None
     """Token ids that end the sequence (the stop token is part of output_ids)."""
     stop: str | list[str] | None = None
-    """Stop strings are not supported by the CPU engine; pass stop_token_ids."""
+    """Strings that end the sequence, as in SGLang: the tokens that spell one stay in output_ids (the model made
+    them), the text is cut before it, and finish_reason is ``{"type": "stop", "matched": "<the string>"}``."""
     n: int = Field(default=1, ge=1, le=256)
     """Samples per prompt."""
     ignore_eos: bool = False
@@ -61,11 +62,17 @@ class SamplingParams(BaseModel):
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> SamplingParams:
-        if self.stop:
-            raise ValueError("stop strings are not supported by the CPU engine; pass stop_token_ids instead")
+        if any(not s for s in self.stop_strings()):
+            raise ValueError("stop strings must not be empty")
         if self.min_p > 0.0:
             raise ValueError("min_p sampling is not supported by the CPU engine; use top_p or top_k")
         return self
+
+    def stop_strings(self) -> tuple[str, ...]:
+        """``stop`` as a tuple (SGLang takes one string or a list)."""
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
     def ignored_fields(self) -> list[str]:
         """Names of SGLang sampling fields this engine does not implement."""

@@ -1,9 +1,10 @@
 """Capture of the experts the router picked for every token, during generation (for R3 router replay).
 
-A wrapper around each MoE block's router (Qwen3-MoE ``mlp.gate``, which returns ``(logits, scores, indices)``)
-keeps the ``[tokens, topk]`` expert ids of the forward passes that ran. The generator moves decode steps' ids into
-its ``RoutingBuffer`` many steps at a time; that buffer is laid out like the KV cache, and each sequence's rows,
-without padding, are cut out of it once, when the sequence leaves the batch.
+A wrapper around each MoE block's router keeps the ``[tokens, topk]`` expert ids of the forward passes that ran.
+Which modules are the routers, and where their output holds the ids, is the model family's knowledge
+(``pipeline.models.families``: Qwen3-MoE's and DeepSeek-V3's ``mlp.gate`` return ``(logits, weights, indices)``).
+The generator moves decode steps' ids into its ``RoutingBuffer`` many steps at a time; that buffer is laid out like
+the KV cache, and each sequence's rows, without padding, are cut out of it once, when the sequence leaves the batch.
 """
 
 from __future__ import annotations
@@ -14,16 +15,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipeline.models.families import ModelFamily, family_for_hf
+
+
+def _family(model: nn.Module) -> ModelFamily:
+    return family_for_hf(getattr(getattr(model, "config", None), "model_type", None))
+
 
 def moe_routers(model: nn.Module) -> list[nn.Module]:
     """The router module of every MoE layer, in layer order (empty for a dense model)."""
-    layers = getattr(getattr(model, "model", model), "layers", [])
-    routers = []
-    for layer in layers:
-        mlp = getattr(layer, "mlp", None)
-        if mlp is not None and hasattr(mlp, "gate") and hasattr(mlp, "experts"):
-            routers.append(mlp.gate)
-    return routers
+    return _family(model).routers(model)
 
 
 class RoutingRecorder:
@@ -37,6 +38,7 @@ class RoutingRecorder:
 
     def __init__(self, model: nn.Module) -> None:
         self._routers = moe_routers(model)
+        self._index = _family(model).router_indices
         # In call order: layer by layer, forward after forward. Emptied in place, never rebound: the wrappers hold it.
         self._captured: list[torch.Tensor] = []
         self.active = True
@@ -61,15 +63,16 @@ class RoutingRecorder:
     def _wrap(self, router: nn.Module) -> Callable[..., Any]:
         original = router.forward
         captured = self._captured
+        index = self._index
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             output = original(*args, **kwargs)
-            # Qwen3-MoE routers return (router_logits, routing_weights, selected_experts); older ones return the
-            # logits only, from which the engine cannot know the tie-breaking the block used, so they are refused.
-            if not isinstance(output, tuple) or len(output) < 3:
+            # A router that returns only logits leaves the engine unable to know the tie-breaking the block used,
+            # so it is refused rather than re-derived.
+            if not isinstance(output, tuple) or len(output) <= index:
                 raise TypeError(f"router {type(router).__name__} does not return expert indices; cannot record routing")
             if self.active:
-                captured.append(output[2])
+                captured.append(output[index])
             return output
 
         return forward

@@ -3,7 +3,8 @@
 HTTP handlers never touch the model. They hand sequences to ``submit`` and control actions (weight loads, version
 changes, aborts) to ``call``. The loop runs control actions only between forward passes, so a weight update never
 lands inside a step: every token is produced entirely by one set of weights and is labelled with the version that
-was current when its forward pass ran.
+was current when its forward pass ran. A weight update received straight into the model's tensors holds forward
+passes off for the whole transfer instead (``hold_passes``).
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -49,6 +51,8 @@ class Scheduler:
         self._paused = False
         self._stopped = False
         self._running = 0
+        self._holds = 0  # hold_passes blocks in progress: no forward pass may start
+        self._in_pass = False  # the loop is in an iteration that may run a forward pass
         self._thread = threading.Thread(target=self._loop, name="sluice-cpu-engine-scheduler", daemon=True)
 
     def start(self) -> None:
@@ -83,6 +87,22 @@ class Scheduler:
         with self._cond:
             self._paused = paused
             self._cond.notify_all()
+
+    @contextmanager
+    def hold_passes(self) -> Iterator[None]:
+        """No forward pass runs inside this block: entering waits for one in flight to end, and none starts until
+        the block exits, whatever pause or continue comes meanwhile. For a thread that writes the model's tensors in
+        place (a weight update received straight into them); control actions still run. Never from the loop thread."""
+        with self._cond:
+            self._holds += 1
+            while self._in_pass:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._holds -= 1
+                self._cond.notify_all()
 
     @property
     def paused(self) -> bool:
@@ -127,39 +147,53 @@ class Scheduler:
         _notify(hit)
         return hit
 
-    def _next_work(self) -> tuple[list[tuple[Callable[[], Any], Future[Any]]], list[Sequence], bool]:
-        """Wait for work; return the actions to run, the sequences to admit, and whether to stop."""
+    def _next_work(self) -> tuple[list[tuple[Callable[[], Any], Future[Any]]], list[Sequence], bool, bool]:
+        """Wait for work; return the actions to run, the sequences to admit, whether a forward pass may run, and
+        whether to stop."""
         with self._cond:
-            while not self._stopped and not self._actions and (self._paused or not (self._waiting or self._running)):
+            while not self._stopped and not self._actions and (
+                self._paused or self._holds or not (self._waiting or self._running)
+            ):
                 self._cond.wait()
             actions = list(self._actions)
             self._actions.clear()
             admit: list[Sequence] = []
-            if not self._paused:
+            # Decided under the lock, with _in_pass: a hold that comes later waits for this iteration to end.
+            generate = not (self._paused or self._holds)
+            if generate:
                 while self._waiting and self._running + len(admit) < self.max_batch:
                     admit.append(self._waiting.popleft())
-            return actions, admit, self._stopped
+            self._in_pass = generate
+            return actions, admit, generate, self._stopped
+
+    def _end_pass(self) -> None:
+        with self._cond:
+            self._in_pass = False
+            self._cond.notify_all()
 
     def _loop(self) -> None:
         # One thread does all model work; inference_mode keeps autograd bookkeeping off the hot path.
         while True:
-            actions, admit, stopped = self._next_work()
-            for action, future in actions:
-                _run_action(action, future)
-            if stopped:
-                self._shutdown(admit)
-                return
+            actions, admit, generate, stopped = self._next_work()
             try:
-                with torch.inference_mode():
-                    self._iterate(admit)
-            except Exception as exc:  # noqa: BLE001 - the loop's crash handler: fail the requests, keep serving
-                log.exception("generation step failed; aborting the running requests")
-                self._fail_all(admit, f"generation failed in the engine: {exc!r}")
+                for action, future in actions:
+                    _run_action(action, future)
+                if stopped:
+                    self._shutdown(admit)
+                    return
+                try:
+                    with torch.inference_mode():
+                        self._iterate(admit, generate)
+                except Exception as exc:  # noqa: BLE001 - the loop's crash handler: fail the requests, keep serving
+                    log.exception("generation step failed; aborting the running requests")
+                    self._fail_all(admit, f"generation failed in the engine: {exc!r}")
+            finally:
+                self._end_pass()
 
-    def _iterate(self, admit: list[Sequence]) -> None:
+    def _iterate(self, admit: list[Sequence], generate: bool) -> None:
         if admit:
             _notify(self.generator.admit(admit))
-        if self.generator.rows and not self._paused:
+        if self.generator.rows and generate and not self._paused:
             _notify(self.generator.step())
         self._running = len(self.generator.rows)
 

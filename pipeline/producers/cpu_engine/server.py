@@ -4,22 +4,32 @@ Endpoints (bodies and answers in SGLang's field names; see ``protocol.py`` for `
 
 - ``POST /generate``
 - ``POST /init_weights_update_group`` ``{master_address, master_port, rank_offset, world_size, group_name, backend}``
-  joins the weight group (gloo only here) and answers once joined; ``POST /destroy_weights_update_group``.
+  joins the weight group (gloo only here) as ranks ``rank_offset .. rank_offset + tp - 1`` (``--tp``, see
+  ``tp_group.py``) and answers once joined; ``POST /destroy_weights_update_group``.
 - ``POST /begin_weight_update``, ``POST /update_weights_from_distributed``, ``POST /end_weight_update``; the middle
-  one answers 400 outside a begin/end window, as SGLang does.
+  one answers 400 outside a begin/end window, as SGLang does. While generation is paused (the pusher pauses in
+  place for the push; ``--hold-until-update`` holds until the first one), a flat bucket of one tensor that fits its
+  parameter exactly is received straight into it (``WeightLoader.receive_in_place``, TP 1 only); other buckets are
+  received into a buffer and copied in between forward passes.
 - ``POST /update_weights_from_disk`` ``{model_path, weight_version, abort_all_requests (default false)}``: load a
   whole HF folder's safetensors (SGLang's protocol; the evaluator loads weight snapshots this way). The folder must
   fit the served architecture and cover every parameter; otherwise the old weights are kept. ``model_path`` in
   ``/model_info`` then names the folder.
 - ``POST /update_weight_version`` ``{new_version, abort_all_requests (default true, as SGLang)}``.
+- ``POST /weight_group_probe`` ``{group_name, nbytes, prepare}``: sluice's own, the bare-broadcast reference of
+  ``sluice bench sync`` (``tp_group.py``).
 - ``POST /pause_generation`` ``{mode: abort|retract|in_place}`` (retract behaves like in_place: requests keep their
   KV cache and resume), ``POST /continue_generation``, ``POST /flush_cache``, ``POST /abort_request``
   ``{rid, abort_all}``.
 - ``GET /model_info`` (weight_version, model_path, MoE shape), ``GET /get_weight_version``, ``GET /health``,
   ``GET /health_generate``.
-- ``GET /get_load``: ``{"num_running_reqs", "num_waiting_reqs", "num_tokens", "max_batch", "paused",
-  "forward_passes", "tokens_generated"}`` (the last two are counters since start); a client picking the least-loaded
-  engine should compare ``num_running_reqs + num_waiting_reqs``.
+- ``GET /v1/loads``: SGLang 0.5.23's load report, ``{"timestamp", "version", "dp_rank_count", "loads": [...],
+  "aggregate": {...}}`` with one entry in ``loads`` (this engine is one data-parallel rank): SGLang's
+  ``dp_rank``, ``num_running_reqs``, ``num_waiting_reqs``, ``num_total_reqs``, ``num_used_tokens`` and
+  ``max_running_requests``, plus the CPU engine's own ``paused``, ``forward_passes``, ``tokens_generated``,
+  ``weight_bytes_received`` and ``weight_bytes_received_in_place`` (the part of it received straight into the model;
+  counters since start). A client picking the least-loaded engine compares ``num_total_reqs``.
+- ``GET /get_load``: the same numbers as one flat object (the older name, kept for scripts and tests that read it).
 
 Every weight endpoint answers ``{"success": bool, "message": str}``.
 """
@@ -30,9 +40,12 @@ import asyncio
 import dataclasses
 import logging
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +53,10 @@ import torch
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pipeline import __version__
 from pipeline.errors import EngineError, SluiceError
 from pipeline.producers.cpu_engine.config import CpuEngineConfig
-from pipeline.producers.cpu_engine.generator import BatchGenerator, Sequence
+from pipeline.producers.cpu_engine.generator import BatchGenerator, Sequence, StopStrings
 from pipeline.producers.cpu_engine.protocol import (
     GenerateRequest,
     PromptSpec,
@@ -52,8 +66,9 @@ from pipeline.producers.cpu_engine.protocol import (
 )
 from pipeline.producers.cpu_engine.sampling import SamplingSettings
 from pipeline.producers.cpu_engine.scheduler import Scheduler
+from pipeline.producers.cpu_engine.tp_group import TpWeightGroup
 from pipeline.producers.cpu_engine.weight_loader import WeightLoader
-from pipeline.sync.weights import WeightGroup, init_weight_group
+from pipeline.sync.packing import FLAT_FORMAT
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -97,6 +112,8 @@ class UpdateFromDistributedRequest(BaseModel):
     """Abort running and waiting requests before loading."""
     weight_version: str | None = None
     """Version to report once these weights are loaded; None keeps the current one."""
+    load_format: str | None = None
+    """None: one broadcast per tensor; "flattened_bucket": one flat uint8 broadcast of all the bucket's bytes."""
 
 
 class UpdateFromDiskRequest(BaseModel):
@@ -127,12 +144,42 @@ def _load_model(cfg: CpuEngineConfig) -> Any:
     from transformers import AutoModelForCausalLM
 
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(
-        cfg.model_path, dtype=dtype, attn_implementation=cfg.attn_implementation
+    model, info = AutoModelForCausalLM.from_pretrained(
+        cfg.model_path, dtype=dtype, attn_implementation=cfg.attn_implementation, output_loading_info=True
     )
+    if cfg.patch is not None:
+        _patch_model(model, cfg, sorted(info.get("unexpected_keys") or []))
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+def _patch_model(model: Any, cfg: CpuEngineConfig, unexpected: list[str]) -> None:
+    """Run the recipe's ``model.engine_patch`` on the model, then load the folder's tensors that only the patched
+    model has (a folder a ``model.spec`` model exported); a plain folder leaves the patch's own initial values."""
+    from safetensors import safe_open
+
+    from pipeline import plugins
+    from pipeline.models.spec import ENGINE_PATCH_FIELD, ENGINE_PATCH_SIGNATURE
+
+    assert cfg.patch is not None
+    patch = plugins.resolve(cfg.patch, field=ENGINE_PATCH_FIELD, signature=ENGINE_PATCH_SIGNATURE,
+                            paths=cfg.plugin_paths)
+    patch(model)
+    if not unexpected:
+        return
+    state = model.state_dict()
+    unknown = [n for n in unexpected if n not in state]
+    if unknown:
+        raise EngineError(f"{cfg.model_path} holds tensors the model does not have even after {ENGINE_PATCH_FIELD} = "
+                          f"{cfg.patch!r}: {unknown[:4]}; the patch and the model.spec that wrote them disagree")
+    wanted = set(unexpected)
+    with torch.no_grad():
+        for file in sorted(Path(cfg.model_path).glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                for name in wanted.intersection(f.keys()):
+                    state[name].copy_(f.get_tensor(name))
+    log.info("loaded %d tensors added by %s", len(wanted), cfg.patch)
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
@@ -177,10 +224,16 @@ class Engine:
             log.warning("--enable-return-routed-experts is ignored: the model has no MoE layers")
         self.scheduler = Scheduler(self.generator, cfg.max_batch)
         self.weights = WeightLoader(self.model)
-        self.groups: dict[str, WeightGroup] = {}
+        self.groups: dict[str, TpWeightGroup] = {}
         self.update_window_open = False
         self.updated_in_window = False
+        self.pending_loads: list[Future[None]] = []
+        """Buckets received and queued for loading between forward passes; ``/end_weight_update`` waits for them."""
         self.update_lock = asyncio.Lock()
+        self.weight_bytes_received = 0
+        """Bytes taken off the weight group since start (what the trainer's push put on the wire)."""
+        self.rank_bytes_received = [0] * cfg.tp
+        """The same, per rank the engine holds in the group (``--tp``)."""
         self.held = cfg.hold_until_update
         if self.held:
             self.scheduler.set_paused(True)
@@ -209,13 +262,16 @@ class Engine:
             "max_context_len": self.max_context_len,
             "num_hidden_layers": int(config.num_hidden_layers),
             "num_moe_layers": self.moe_layers,
-            "num_experts": int(getattr(config, "num_experts", 0) or 0),
+            # transformers 5 names the routed-expert count num_local_experts in every MoE family.
+            "num_experts": int(getattr(config, "num_local_experts", 0) or 0),
             "num_experts_per_tok": int(getattr(config, "num_experts_per_tok", 0) or 0),
             "enable_return_routed_experts": self.cfg.enable_return_routed_experts and self.moe_layers > 0,
             "eos_token_ids": sorted(self.generator.eos_ids),
             "pad_token_id": self.generator.pad_id,
             "logprob_mode": self.cfg.logprob_mode,
             "max_batch": self.cfg.max_batch,
+            "tp_size": self.cfg.tp,
+            "weight_groups": {name: [m.rank for m in g.members] for name, g in self.groups.items()},
         }
 
     def prompts_of(self, req: GenerateRequest) -> tuple[list[list[int]], bool]:
@@ -266,7 +322,20 @@ class Engine:
             generator=generator,
             input_logprob_start=spec.logprob_start_len if spec.return_logprob else -1,
             rid=spec.rid,
+            stop_strings=StopStrings(strings, self._decode_tail) if (strings := params.stop_strings()) else None,
         )
+
+    def _decode_tail(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def text_of(self, seq: Sequence) -> str:
+        """The output's text; as SGLang does, cut before a stop string that ended it (its tokens stay in
+        output_ids)."""
+        text = str(self.tokenizer.decode(seq.output_ids, skip_special_tokens=True))
+        matched = (seq.finish_reason or {}).get("matched")
+        if isinstance(matched, str) and (cut := text.find(matched)) >= 0:
+            return text[:cut]
+        return text
 
     def result_of(self, seq: Sequence) -> SequenceResult:
         """A finished sequence as the protocol layer wants it."""
@@ -318,10 +387,12 @@ def build_app(engine: Engine) -> web.Application:
     app.router.add_post("/pause_generation", routes.pause)
     app.router.add_post("/continue_generation", routes.resume)
     app.router.add_post("/flush_cache", routes.flush_cache)
+    app.router.add_post("/weight_group_probe", routes.weight_group_probe)
     app.router.add_post("/abort_request", routes.abort_request)
     app.router.add_get("/model_info", routes.model_info)
     app.router.add_get("/get_model_info", routes.model_info)
     app.router.add_get("/get_weight_version", routes.weight_version)
+    app.router.add_get("/v1/loads", routes.loads)
     app.router.add_get("/get_load", routes.get_load)
     app.router.add_get("/health", routes.health)
     app.router.add_get("/health_generate", routes.health_generate)
@@ -358,9 +429,9 @@ class _Routes:
         except (ValidationError, EngineError, ValueError) as exc:
             return _error(f"invalid /generate request: {exc}")
         self._warn_ignored(req.ignored_fields() + [f for s in specs for f in s.params.ignored_fields()])
-        seqs, owners, waits = self._start(specs)
+        seqs, owners, done = self._start(specs)
         try:
-            await asyncio.gather(*waits)
+            await done
         except asyncio.CancelledError:
             # The client went away: free the rows instead of generating for nobody.
             for seq in seqs:
@@ -369,9 +440,7 @@ class _Routes:
             engine.scheduler.abort_waiting(lambda s: id(s) in wanted, "the client went away")
             raise
         answers = [
-            build_response(
-                spec, engine.result_of(seq), str(engine.tokenizer.decode(seq.output_ids, skip_special_tokens=True))
-            )
+            build_response(spec, engine.result_of(seq), engine.text_of(seq))
             for spec, seq in zip(owners, seqs, strict=False)
         ]
         return web.json_response(answers if batched or len(answers) > 1 else answers[0])
@@ -382,24 +451,22 @@ class _Routes:
                 self._warned.add(name)
                 log.warning("/generate field %r is not implemented by the CPU engine and is ignored", name)
 
-    def _start(
-        self, specs: list[PromptSpec]
-    ) -> tuple[list[Sequence], list[PromptSpec], list[asyncio.Future[Sequence]]]:
-        """Create ``n`` sequences per prompt, in prompt-major order, and queue them; return them with their futures."""
+    def _start(self, specs: list[PromptSpec]) -> tuple[list[Sequence], list[PromptSpec], asyncio.Future[None]]:
+        """Create ``n`` sequences per prompt, in prompt-major order, and queue them; return them with one future that
+        settles once all of them have finished."""
         loop = asyncio.get_running_loop()
         seqs: list[Sequence] = []
         owners: list[PromptSpec] = []
-        waits: list[asyncio.Future[Sequence]] = []
         for spec in specs:
             for j in range(spec.params.n):
-                seq = self.engine.new_sequence(spec, j)
-                done: asyncio.Future[Sequence] = loop.create_future()
-                seq.on_finish = _resolver(loop, done)
-                seqs.append(seq)
+                seqs.append(self.engine.new_sequence(spec, j))
                 owners.append(spec)
-                waits.append(done)
+        done: asyncio.Future[None] = loop.create_future()
+        on_finish = _countdown(loop, done, len(seqs))
+        for seq in seqs:
+            seq.on_finish = on_finish
         self.engine.scheduler.submit(seqs)
-        return seqs, owners, waits
+        return seqs, owners, done
 
     async def init_group(self, request: web.Request) -> web.Response:
         """``POST /init_weights_update_group``: join the trainer's weight group; answers once joined."""
@@ -412,21 +479,17 @@ class _Routes:
         old = self.engine.groups.pop(body.group_name, None)
         if old is not None:
             old.close()
+        tp = self.engine.cfg.tp
         try:
-            group = await asyncio.to_thread(
-                init_weight_group,
-                body.master_address,
-                body.master_port,
-                body.rank_offset,
-                body.world_size,
-                body.group_name,
-                "gloo",
-                body.timeout_s,
-            )
+            group = await TpWeightGroup.join(tp, master_address=body.master_address, master_port=body.master_port,
+                                             rank_offset=body.rank_offset, world_size=body.world_size,
+                                             group_name=body.group_name, timeout_s=body.timeout_s,
+                                             bytes_received=self.engine.rank_bytes_received)
         except (SluiceError, RuntimeError) as exc:
             return _reply(False, f"could not join weight group {body.group_name!r}: {exc}")
         self.engine.groups[body.group_name] = group
-        return _reply(True, f"joined weight group {body.group_name!r} as rank {body.rank_offset} of {body.world_size}")
+        ranks = f"ranks {body.rank_offset}..{body.rank_offset + tp - 1}" if tp > 1 else f"rank {body.rank_offset}"
+        return _reply(True, f"joined weight group {body.group_name!r} as {ranks} of {body.world_size}")
 
     async def destroy_group(self, request: web.Request) -> web.Response:
         """``POST /destroy_weights_update_group``."""
@@ -444,9 +507,15 @@ class _Routes:
         return _reply(True, "weight update window opened")
 
     async def end_update(self, request: web.Request) -> web.Response:
-        """``POST /end_weight_update``."""
+        """``POST /end_weight_update``: answers once every bucket received is loaded."""
         engine = self.engine
         engine.update_window_open = False
+        pending, engine.pending_loads = engine.pending_loads, []
+        results = await asyncio.gather(*(asyncio.wrap_future(f) for f in pending), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            engine.updated_in_window = False
+            return _reply(False, f"loading a received bucket failed: {failed[0]!r}", status=500)
         if engine.updated_in_window:
             self._release()  # a whole push has landed: the weights are the trainer's now
         engine.updated_in_window = False
@@ -469,6 +538,8 @@ class _Routes:
             body = UpdateFromDistributedRequest.model_validate(await _json_body(request))
         except ValidationError as exc:
             return _reply(False, f"invalid /update_weights_from_distributed request: {exc}")
+        if body.load_format not in (None, FLAT_FORMAT):
+            return _reply(False, f"load_format {body.load_format!r} is unknown; use none or {FLAT_FORMAT!r}")
         try:
             engine.weights.check(body.names, body.dtypes, body.shapes)
         except EngineError as exc:
@@ -477,21 +548,63 @@ class _Routes:
         if group is None:
             return _reply(False, f"no weight group named {body.group_name!r}; call /init_weights_update_group first")
         async with engine.update_lock:
-            try:
-                # Received off the scheduler thread into fresh buffers, so generation goes on during the transfer
-                # and a failed transfer leaves the old weights whole.
-                tensors = await asyncio.to_thread(engine.weights.receive, group, body.names, body.dtypes, body.shapes)
-            except (SluiceError, RuntimeError) as exc:
-                return _reply(False, f"receiving the weights failed, old weights kept: {exc}", status=500)
-            await asyncio.wrap_future(engine.scheduler.call(lambda: self._load(tensors, body)))
-            engine.updated_in_window = True
-        return _reply(True, f"loaded {len(tensors)} tensors; weight_version {engine.generator.version}")
+            if self._in_place(body, group):
+                try:
+                    tensors = await asyncio.to_thread(self._receive_in_place, group, body)
+                except (SluiceError, RuntimeError) as exc:
+                    return _reply(False, f"receiving {body.names[0]} in place failed: {exc}. That tensor is undefined "
+                                         "until a whole push lands; weight_version stays "
+                                         f"{engine.generator.version}", status=500)
+                loaded: list[tuple[str, torch.Tensor]] = []  # already in the model: the load only moves the label
+            else:
+                try:
+                    # Received off the scheduler thread into buffers, so generation (if not paused) goes on during
+                    # the transfer and a failed transfer leaves the old weights whole.
+                    receive = (engine.weights.receive_flat if body.load_format == FLAT_FORMAT
+                               else engine.weights.receive)
+                    tensors = await asyncio.to_thread(group.receive, receive, body.names, body.dtypes, body.shapes,
+                                                      engine.weights.recycle)
+                except (SluiceError, RuntimeError) as exc:
+                    return _reply(False, f"receiving the weights failed, old weights kept: {exc}", status=500)
+                loaded = tensors
+            engine.weight_bytes_received += sum(t.numel() * t.element_size() for _, t in tensors)
+            # Loaded by the scheduler between forward passes, in arrival order, while the next bucket is received:
+            # the answer means "received", and /end_weight_update answers once every load is done. Generation is
+            # paused during a push (pipeline.sync.weights), and the label moves with the last bucket's load, also
+            # when that bucket was received in place (its load then only sets the label).
+            engine.pending_loads.append(engine.scheduler.call(lambda: self._load(loaded, body)))
+            # The pusher labels only its last bucket: a window that saw the label received a whole push.
+            engine.updated_in_window = engine.updated_in_window or body.weight_version is not None
+        return _reply(True, f"received {len(tensors)} tensors; they load before /end_weight_update answers")
+
+    def _in_place(self, body: UpdateFromDistributedRequest, group: TpWeightGroup) -> bool:
+        """Whether this bucket is received straight into its parameter: a flat bucket of one tensor that fits it
+        exactly, while generation is paused (in place for the push, or held until the first update), so no token
+        waits on the hold the receive puts on forward passes. TP 1 only: with more ranks, the other ranks' bytes are
+        compared with rank 0's before anything is loaded, and an update whose ranks disagree is refused with the
+        model untouched, which rank 0 writing into the model as it receives could no longer promise. An update that
+        aborts requests first keeps the buffered path too, whose load aborts and then writes."""
+        engine = self.engine
+        return (body.load_format == FLAT_FORMAT and len(group.members) == 1 and not body.abort_all_requests
+                and engine.scheduler.paused
+                and engine.weights.in_place_target(body.names, body.dtypes, body.shapes) is not None)
+
+    def _receive_in_place(self, group: TpWeightGroup, body: UpdateFromDistributedRequest
+                          ) -> list[tuple[str, torch.Tensor]]:
+        """Runs off the event loop. Paused or not, no forward pass may read the tensor half-written: the hold waits
+        for a pass already running when the pause came (it finishes under the old weights) and keeps new ones off
+        even if generation is continued meanwhile."""
+        with self.engine.scheduler.hold_passes():
+            return group.receive(self.engine.weights.receive_in_place, body.names, body.dtypes, body.shapes)
 
     def _load(self, tensors: list[tuple[str, torch.Tensor]], body: UpdateFromDistributedRequest) -> None:
         """Runs in the scheduler thread, between two forward passes."""
         if body.abort_all_requests:
             self.engine.abort(lambda s: True, "aborted by a weight update")
-        self.engine.weights.apply(tensors)
+        try:
+            self.engine.weights.apply(tensors)
+        finally:
+            self.engine.weights.recycle(tensors)
         if body.weight_version is not None:
             self.engine.generator.version = body.weight_version
 
@@ -557,6 +670,24 @@ class _Routes:
         self.engine.scheduler.set_paused(False)
         return _reply(True, "generation continues")
 
+    async def weight_group_probe(self, request: web.Request) -> web.Response:
+        """``POST /weight_group_probe`` ``{group_name, nbytes, prepare}`` (sluice only, for ``sluice bench sync``):
+        with ``prepare``, allocate a buffer of ``nbytes``; without, receive one flat broadcast into it and drop it."""
+        body = await _json_body(request)
+        group = self.engine.groups.get(str(body.get("group_name", "weight_update_group")))
+        nbytes = body.get("nbytes")
+        if group is None or not isinstance(nbytes, int) or nbytes <= 0:
+            return _reply(False, "weight_group_probe needs a joined group_name and nbytes > 0")
+        try:
+            if body.get("prepare"):
+                await asyncio.to_thread(group.prepare_probe, nbytes)
+            else:
+                async with self.engine.update_lock:
+                    await asyncio.to_thread(group.probe, nbytes)
+        except (SluiceError, RuntimeError) as exc:
+            return _reply(False, f"probe failed: {exc}", status=500)
+        return _reply(True, f"{'prepared' if body.get('prepare') else 'received'} {nbytes} bytes")
+
     async def flush_cache(self, request: web.Request) -> web.Response:
         """``POST /flush_cache``: nothing to flush (no prefix cache); kept for protocol compatibility."""
         return _reply(True, "Cache flushed (the CPU engine keeps no prefix cache).")
@@ -583,8 +714,31 @@ class _Routes:
         return web.json_response({"weight_version": self.engine.generator.version})
 
     async def get_load(self, request: web.Request) -> web.Response:
-        """``GET /get_load``."""
+        """``GET /get_load``: the load as one flat object."""
         return web.json_response(dataclasses.asdict(self.engine.scheduler.load()))
+
+    async def loads(self, request: web.Request) -> web.Response:
+        """``GET /v1/loads``: SGLang's shape, one data-parallel rank."""
+        load = self.engine.scheduler.load()
+        rank = {
+            "dp_rank": 0,
+            "num_running_reqs": load.num_running_reqs,
+            "num_waiting_reqs": load.num_waiting_reqs,
+            "num_total_reqs": load.num_running_reqs + load.num_waiting_reqs,
+            "num_used_tokens": load.num_tokens,
+            "max_running_requests": load.max_batch,
+            "paused": load.paused,
+            "forward_passes": load.forward_passes,
+            "tokens_generated": load.tokens_generated,
+            "weight_bytes_received": self.engine.weight_bytes_received,
+            "weight_bytes_received_in_place": self.engine.weights.bytes_in_place,
+            "weight_bytes_received_per_tp_rank": list(self.engine.rank_bytes_received),
+        }
+        aggregate = {k: rank[k] for k in ("num_running_reqs", "num_waiting_reqs", "num_total_reqs", "num_used_tokens")}
+        return web.json_response({
+            "timestamp": datetime.now(UTC).isoformat(), "version": f"sluice-cpu-engine {__version__}",
+            "dp_rank_count": 1, "loads": [rank], "aggregate": aggregate,
+        })  # fmt: skip
 
     async def health(self, request: web.Request) -> web.Response:
         """``GET /health``: the process is up and the scheduler thread alive."""
@@ -598,22 +752,31 @@ class _Routes:
         """``GET /health_generate``: one greedy token through the whole path."""
         pad = self.engine.generator.pad_id
         seq = Sequence([pad], 1, SamplingSettings(0.0, 1.0, -1), frozenset(), True, None, rid="health_generate")
-        done: asyncio.Future[Sequence] = asyncio.get_running_loop().create_future()
-        seq.on_finish = _resolver(asyncio.get_running_loop(), done)
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        seq.on_finish = _countdown(asyncio.get_running_loop(), done, 1)
         self.engine.scheduler.submit([seq])
         await done
         return web.Response(text="OK")
 
 
-def _resolver(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Sequence]) -> Callable[[Sequence], None]:
-    """An ``on_finish`` callback, called in the scheduler thread, that settles ``future`` in the event loop."""
+def _countdown(loop: asyncio.AbstractEventLoop, future: asyncio.Future[None], count: int) -> Callable[[Sequence], None]:
+    """The ``on_finish`` callback of a request's ``count`` sequences: settles ``future`` in the event loop once the
+    last of them has finished. One wake-up of the loop per request, not per sequence: each costs a write to the loop's
+    self-pipe and a pass of the loop while the scheduler thread holds the GIL."""
+    left = count
+    lock = threading.Lock()  # sequences finish in the scheduler thread, and abort in the event loop's
 
-    def settle(seq: Sequence) -> None:
+    def settle() -> None:
         if not future.done():
-            future.set_result(seq)
+            future.set_result(None)
 
     def on_finish(seq: Sequence) -> None:
-        loop.call_soon_threadsafe(settle, seq)
+        nonlocal left
+        with lock:
+            left -= 1
+            last = left == 0
+        if last:
+            loop.call_soon_threadsafe(settle)
 
     return on_finish
 

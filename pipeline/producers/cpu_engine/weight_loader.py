@@ -5,9 +5,16 @@ expert each (``model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight``), while
 fused in memory (``experts.gate_up_proj`` ``[E, 2I, H]`` with gate first, ``experts.down_proj`` ``[E, H, I]``); the
 per-expert names are therefore mapped onto views of the fused tensors. The in-memory names are accepted too.
 
-An update is all or nothing: every announced name and shape is checked before the first tensor is received (a gloo
-broadcast into a wrong-sized buffer aborts the process), tensors are received into fresh buffers, and the model is
-written only after the last one arrived.
+Every announced name and shape is checked before the first byte is received (a gloo broadcast into a wrong-sized
+buffer aborts the process). Then a bucket is received one of two ways:
+
+- **into a buffer** (a reused pool buffer for a flat bucket, fresh tensors for the per-tensor wire), and copied into
+  the model by ``apply`` between forward passes. A transfer that fails leaves the model untouched;
+- **in place** (``receive_in_place``), straight into the parameter's memory, when a flat bucket holds exactly one
+  tensor whose target is contiguous and of the announced dtype and shape, and the caller has made sure no forward
+  pass runs meanwhile (the engine does it while generation is paused for the push). No buffer, no copy. A transfer
+  that fails leaves that one tensor undefined, as a push that fails after some buckets leaves a mix of old and new
+  weights; either way the engine keeps its old version label until a whole push lands.
 
 A load from disk (``/update_weights_from_disk``) replaces the whole model, so besides names and shapes it checks that
 the folder's tensors write every element of every parameter: a folder of another architecture, or one missing a
@@ -16,6 +23,7 @@ shard, is refused before anything is written rather than leaving a model that is
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -24,7 +32,14 @@ from torch import nn
 
 from pipeline.errors import EngineError, SyncError
 from pipeline.sync.base import TensorMeta
-from pipeline.sync.weights import WeightGroup, check_announcement, dtype_name, receive_tensors, validate_metas
+from pipeline.sync.weights import (
+    WeightGroup,
+    check_announcement,
+    dtype_name,
+    receive_flat,
+    receive_tensors,
+    validate_metas,
+)
 
 
 def _fused_expert_views(prefix: str, experts: nn.Module) -> dict[str, torch.Tensor]:
@@ -68,6 +83,13 @@ class WeightLoader:
             for name, t in self._targets.items()
             if t.is_floating_point()
         }
+        self._free: list[torch.Tensor] = []
+        self._lent: list[torch.Tensor] = []
+        self._pool_lock = threading.Lock()
+        self.bytes_in_place = 0
+        """Bytes received straight into the model's tensors (``receive_in_place``)."""
+        self.bytes_buffered = 0
+        """Bytes received into buffers and copied into the model afterwards, summed over every TP rank's receive."""
         # Elements per parameter storage: a full load must write all of them (views of one fused tensor add up).
         self._param_numel: dict[int, int] = {}
         self._param_name: dict[int, str] = {}
@@ -94,7 +116,84 @@ class WeightLoader:
     ) -> list[tuple[str, torch.Tensor]]:
         """Receive the announced tensors into fresh buffers (the model is not touched); ``check`` must pass first."""
         self.check(names, dtypes, shapes)
-        return list(receive_tensors(group, names, dtypes, shapes))
+        tensors = list(receive_tensors(group, names, dtypes, shapes))
+        with self._pool_lock:
+            self.bytes_buffered += sum(t.numel() * t.element_size() for _, t in tensors)
+        return tensors
+
+    def receive_flat(
+        self, group: WeightGroup, names: list[str], dtypes: list[str], shapes: list[list[int]]
+    ) -> list[tuple[str, torch.Tensor]]:
+        """``receive`` for a flat bucket (one uint8 broadcast of every announced byte) into a buffer from the pool;
+        give it back with ``recycle`` once the tensors are applied."""
+        self.check(names, dtypes, shapes)
+        total = sum(m.nbytes for m in check_announcement(names, dtypes, shapes))
+        buffer = self._take(total)
+        try:
+            tensors = receive_flat(group, names, dtypes, shapes, buffer)
+        except BaseException:
+            self._give_back(buffer)
+            raise
+        with self._pool_lock:
+            self.bytes_buffered += total
+        return tensors
+
+    def in_place_target(self, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> torch.Tensor | None:
+        """The model tensor a flat bucket can be received straight into, or None: the bucket must announce exactly one
+        tensor, and its target must be contiguous and of exactly the announced dtype and shape (anything else needs a
+        cast or a reshape, which ``apply`` does from a buffer)."""
+        if len(names) != 1 or len(dtypes) != 1 or len(shapes) != 1:
+            return None
+        target = self._targets.get(names[0])
+        if target is None or names[0] not in self._expected or dtypes[0] != dtype_name(target.dtype):
+            return None
+        if tuple(target.shape) != tuple(int(d) for d in shapes[0]) or not target.is_contiguous():
+            return None
+        return target if target.numel() > 0 else None
+
+    def receive_in_place(
+        self, group: WeightGroup, names: list[str], dtypes: list[str], shapes: list[list[int]]
+    ) -> list[tuple[str, torch.Tensor]]:
+        """Receive a one-tensor flat bucket straight into its target's memory (``in_place_target`` must give one);
+        returns ``(name, target)``, which needs no ``apply``. The caller keeps forward passes off the model until this
+        returns; if the transfer fails, that tensor is undefined until a later update writes it."""
+        self.check(names, dtypes, shapes)
+        target = self.in_place_target(names, dtypes, shapes)
+        if target is None:
+            raise EngineError(f"{names} cannot be received in place: one tensor whose target is contiguous and of the "
+                              "announced dtype and shape is needed")
+        # The uint8 view is the parameter's own memory: gloo writes the broadcast there, nothing in between.
+        receive_flat(group, names, dtypes, shapes, target.view(-1).view(torch.uint8))
+        with self._pool_lock:
+            self.bytes_in_place += target.numel() * target.element_size()
+        return [(names[0], target)]
+
+    def recycle(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """The buffer behind tensors from ``receive_flat`` is free again (no-op for others)."""
+        if tensors:
+            ptr = _storage(tensors[0][1])
+            for buffer in self._lent:
+                if _storage(buffer) == ptr:
+                    self._give_back(buffer)
+                    return
+
+    def _take(self, nbytes: int) -> torch.Tensor:
+        # Receive buffers are reused from bucket to bucket and push to push: a fresh 64 MB buffer costs more in page
+        # faults than its transfer's copy. Kept: two per TP rank (one being received while the other is applied).
+        with self._pool_lock:
+            for i, buffer in enumerate(self._free):
+                if buffer.numel() >= nbytes:
+                    self._lent.append(self._free.pop(i))
+                    return self._lent[-1]
+            buffer = torch.empty(nbytes, dtype=torch.uint8)
+            self._lent.append(buffer)
+            return buffer
+
+    def _give_back(self, buffer: torch.Tensor) -> None:
+        with self._pool_lock:
+            self._lent = [b for b in self._lent if b is not buffer]
+            self._free.append(buffer)
+            self._free = sorted(self._free, key=lambda b: -b.numel())[:4]
 
     def apply(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Copy received tensors into the model (casting to the model's dtype); call between forward passes."""

@@ -1,0 +1,340 @@
+"""The memory plan of a trainer layout, before anything starts: what one rank holds, and layouts that cannot work.
+
+``sluice run --dry-run`` prints it. Pure arithmetic on a ``ModelConfig`` (read from a ``config.json``, no weights)
+and the recipe's parallel sizes: no torch, no GPU, no checkpoint files.
+
+Per rank, on CUDA (megatron's DDP and distributed optimizer, ``optim.py``):
+- parameters in the model's dtype;
+- gradients in fp32 (DDP's ``grad_reduce_in_fp32`` buffers);
+- optimizer state, fp32 master weights plus Adam's two moments (12 bytes per parameter), sharded over the
+  data-parallel ranks for dense weights and over the expert-data-parallel ranks for experts;
+- a frozen KL reference, when ``trainer.loss.kl_coef > 0`` (parameters only);
+- activations of one micro-batch (the train step runs forward and backward one micro-batch at a time): an
+  estimate, the tensors each layer keeps for its backward with no recomputation, balanced routing, and the fp32
+  logits of the loss.
+
+On CPU (torch AdamW over the rank's own parameters, no sharding) parameters, gradients and both moments are counted
+in fp32, plus fp32 master copies for low-precision parameters.
+
+Sharding follows megatron-core: tensor parallelism (TP) splits attention heads, MLP columns and the vocabulary
+(MLA's two down-projections stay whole on every TP rank, as TransformerEngine's spec keeps them); experts are split
+over EP x ETP ranks, where megatron sets the expert-tensor-parallel size ETP to TP.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from pipeline.errors import ConfigError
+from pipeline.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from pipeline.config import SluiceConfig
+
+GIB = 1 << 30
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_WEIGHT_VERSION = re.compile(r"--weight-version[ =](\d+)(\s|$)")
+
+
+class HardwareConfig(BaseModel):
+    """What a GPU recipe runs on, for the dry run's memory plan and checks (a CPU recipe leaves it unset)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    gpu: str | None = None
+    """The accelerator the recipe expects, e.g. 'H200 SXM 141GB' (printed with the plan)."""
+    gpu_memory_gib: float | None = Field(None, gt=0, le=4096)
+    """Memory of one GPU; set, the dry run refuses a layout whose per-rank estimate does not fit."""
+    usable_fraction: float = Field(0.9, gt=0, le=1)
+    """Share of gpu_memory_gib a rank may plan to use (the CUDA context, NCCL buffers and fragmentation take the
+    rest)."""
+    gpus_per_node: int = Field(8, ge=1, le=1024)
+    """GPUs per node."""
+    trainer_nodes: int | None = Field(None, ge=1, le=100_000)
+    """Nodes of trainer ranks; must give trainer.world_size GPUs."""
+    engine_nodes: int | None = Field(None, ge=1, le=100_000)
+    """Nodes of SGLang engines (each runs sglang_launch)."""
+    hf_config: Path | None = None
+    """An HF config.json of the model, read when model.path holds none (the dry run needs no weights)."""
+    seq_len: int | None = Field(None, ge=1, le=1 << 22)
+    """Longest sample (prompt + response) in tokens, for the activation estimate when trainer.micro_batch_tokens is
+    unset; None: the model's max_position_embeddings (an upper bound)."""
+    sglang_launch: str | None = None
+    """The command that starts each SGLang engine; it must return routed experts (R3) and name an integer weight
+    version (sluice's policy versions are integers)."""
+
+    @model_validator(mode="after")
+    def _check_launch(self) -> HardwareConfig:
+        cmd = self.sglang_launch
+        if cmd is None:
+            return self
+        problems = []
+        if "--enable-return-routed-experts" not in cmd.split():
+            problems.append("it lacks --enable-return-routed-experts (R3 replays the routing the engines return)")
+        if not _WEIGHT_VERSION.search(cmd):
+            problems.append("it lacks an integer --weight-version (e.g. --weight-version 0): sluice's policy "
+                            "versions are integers, and the engines report the version of every token")
+        if problems:
+            raise ValueError("hardware.sglang_launch: " + "; ".join(problems))
+        return self
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Parallel sizes of the trainer (PP is 1: see ``TrainerConfig.pp``)."""
+
+    world_size: int
+    tp: int
+    ep: int
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks."""
+        return self.world_size // self.tp
+
+    @property
+    def etp(self) -> int:
+        """Expert-tensor-parallel size (megatron's default: TP)."""
+        return self.tp
+
+    @property
+    def expert_dp(self) -> int:
+        """Ranks holding the same experts (the distributed optimizer shards expert state over them)."""
+        return self.world_size // (self.ep * self.etp)
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameter counts: the whole model, and one rank's share."""
+
+    dense: int
+    """Everything but the routed experts, whole model."""
+    expert: int
+    """Routed experts, whole model."""
+    active: int
+    """Parameters one token passes through (dense plus top-k experts)."""
+    rank_dense: int
+    """Dense parameters on one rank."""
+    rank_expert: int
+    """Expert parameters on one rank."""
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.expert
+
+    @property
+    def rank_total(self) -> int:
+        return self.rank_dense + self.rank_expert
+
+
+def count_parameters(model: ModelConfig, layout: Layout) -> ParamCounts:
+    """Parameters of ``model`` (megatron's, which are HF's but for the MTP layer a checkpoint may carry), whole and
+    per rank under ``layout``."""
+    h = model.hidden_size
+    outputs = 1 if model.tie_word_embeddings else 2
+    parts = [(outputs * model.vocab_size * h, True), (h, False)]  # embedding (+ output layer), final norm
+    for layer in range(model.num_layers):
+        parts += [(2 * h, False), *_attention_params(model)]  # the two norms, attention
+        if not model.is_moe_layer(layer):
+            parts.append((3 * h * model.ffn_hidden_size, True))
+            continue
+        parts.append((model.num_experts * h, False))  # the router (its expert bias is a buffer)
+        if model.shared_expert_ffn_hidden_size:
+            parts.append((3 * h * model.shared_expert_ffn_hidden_size, True))
+    dense = sum(count for count, _ in parts)
+    rank_dense = sum(count // layout.tp if sharded else count for count, sharded in parts)
+    per_expert = 3 * h * model.moe_ffn_hidden_size
+    experts = model.num_moe_layers * model.num_experts * per_expert
+    return ParamCounts(dense=dense, expert=experts, active=dense + model.num_moe_layers * model.moe_topk * per_expert,
+                       rank_dense=rank_dense, rank_expert=experts // (layout.ep * layout.etp))
+
+
+def _attention_params(model: ModelConfig) -> list[tuple[int, bool]]:
+    """(count, split over TP) of one layer's attention weights."""
+    h, heads, mla = model.hidden_size, model.num_attention_heads, model.mla
+    if mla is None:
+        d, kv = model.head_dim, model.num_kv_heads
+        return [(h * (heads + 2 * kv) * d, True), (heads * d * h, True), (2 * d if model.qk_norm else 0, False)]
+    qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+    if mla.q_lora_rank is None:
+        query = [(h * heads * qk, True)]
+    else:  # down-projection and its norm whole on every TP rank, up-projection split by heads
+        query = [(h * mla.q_lora_rank + mla.q_lora_rank, False), (mla.q_lora_rank * heads * qk, True)]
+    return [*query,
+            (h * (mla.kv_lora_rank + mla.qk_rope_head_dim) + mla.kv_lora_rank, False),
+            (mla.kv_lora_rank * heads * (mla.qk_nope_head_dim + mla.v_head_dim), True),
+            (heads * mla.v_head_dim * h, True)]
+
+
+def activation_bytes(model: ModelConfig, layout: Layout, tokens: int) -> int:
+    """Estimate of one micro-batch's activations on one rank (see the module docstring)."""
+    h, heads = model.hidden_size, model.num_attention_heads
+    if model.mla is None:
+        attention = 2 * h + 2 * heads * model.head_dim + 2 * model.num_kv_heads * model.head_dim
+    else:
+        mla = model.mla
+        qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+        latents = (mla.q_lora_rank or 0) + mla.kv_lora_rank + mla.qk_rope_head_dim
+        attention = 2 * h + latents + heads * (2 * qk + 2 * mla.v_head_dim)
+    dense_mlp = h + 3 * model.ffn_hidden_size
+    moe = (2 * model.num_experts + model.moe_topk * (h + 3 * model.moe_ffn_hidden_size)
+           + (h + 3 * model.shared_expert_ffn_hidden_size if model.shared_expert_ffn_hidden_size else 0))
+    per_token = sum(attention + (moe if model.is_moe_layer(i) else dense_mlp) for i in range(model.num_layers))
+    elem = _BYTES[model.dtype]
+    # Sequence parallelism (on whenever an MoE model uses TP) splits every per-token tensor over the TP ranks.
+    layers = tokens * per_token * elem // layout.tp
+    logits = tokens * (model.vocab_size // layout.tp) * (elem + 8)  # the logits, their fp32 copy and its gradient
+    return layers + logits
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes one trainer rank holds, by kind."""
+
+    counts: ParamCounts
+    layout: Layout
+    device: Literal["cuda", "cpu"]
+    tokens: int
+    params: int
+    grads: int
+    optimizer: int
+    reference: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.reference + self.activations
+
+
+def plan_memory(model: ModelConfig, layout: Layout, *, device: Literal["cuda", "cpu"], tokens: int,
+                kl_reference: bool) -> MemoryPlan:
+    """The per-rank memory of training ``model`` under ``layout`` with micro-batches of ``tokens`` tokens."""
+    counts = count_parameters(model, layout)
+    elem = _BYTES[model.dtype]
+    params = counts.rank_total * elem
+    if device == "cuda":
+        grads = counts.rank_total * 4
+        optimizer = 12 * (counts.rank_dense // layout.dp + counts.rank_expert // layout.expert_dp)
+    else:
+        grads = counts.rank_total * elem
+        optimizer = counts.rank_total * (8 + (4 if elem < 4 else 0))
+    return MemoryPlan(counts=counts, layout=layout, device=device, tokens=tokens, params=params, grads=grads,
+                      optimizer=optimizer, reference=params if kl_reference else 0,
+                      activations=activation_bytes(model, layout, tokens))
+
+
+def gpu_layout_problems(model: ModelConfig, layout: Layout) -> list[str]:
+    """Why megatron-core could not build or run ``model`` under ``layout`` on GPUs; [] when it can."""
+    from pipeline.consumers.megatron.config import ParallelConfig, layout_problems
+
+    problems = layout_problems(model, ParallelConfig(tp=layout.tp, ep=layout.ep, device="cuda"))
+    if layout.world_size % layout.tp:
+        problems.append(f"trainer.world_size={layout.world_size} is not divisible by tp={layout.tp}")
+    elif (layout.dp * layout.tp) % layout.ep:
+        problems.append(f"ep={layout.ep} must divide dp*tp = {layout.dp * layout.tp}")
+    if model.is_moe and layout.world_size % (layout.ep * layout.etp):
+        problems.append(f"ep x etp = {layout.ep} x {layout.etp} (megatron's expert-tensor-parallel size is tp) must "
+                        f"divide trainer.world_size={layout.world_size}")
+    if model.ffn_hidden_size % layout.tp:
+        problems.append(f"tp={layout.tp} must divide the dense MLP width {model.ffn_hidden_size}")
+    if model.is_moe and model.moe_ffn_hidden_size % layout.etp:
+        problems.append(f"etp={layout.etp} must divide the expert width {model.moe_ffn_hidden_size}")
+    return problems
+
+
+def plan_model_config(cfg: SluiceConfig) -> tuple[ModelConfig, str]:
+    """The model a recipe trains, from a config.json alone, and where it came from (weights are never read)."""
+    path = cfg.model.path
+    if path is not None and (Path(path) / "config.json").is_file():
+        source = Path(path) / "config.json"
+    elif cfg.hardware.hf_config is not None:
+        source = Path(cfg.hardware.hf_config)
+        if not source.is_file():
+            raise ConfigError(f"hardware.hf_config {source} is not a file; point it at the model's config.json")
+    elif path is None:
+        from pipeline.models.families import family_for_tiny
+        from pipeline.models.tiny import CHARACTERS, SPECIAL_TOKENS
+
+        arch = cfg.model.init_tiny
+        values = {"vocab_size": len(SPECIAL_TOKENS) + len(CHARACTERS), **cfg.model.init_overrides}
+        hf = family_for_tiny(arch).tiny_config(arch, values).to_dict()
+        return ModelConfig.from_hf(hf, dtype="float32"), f"the tiny {arch} model (model.init_tiny)"
+    else:
+        raise ConfigError(f"model.path {path} holds no config.json and hardware.hf_config is unset: the dry run "
+                          "plans from the model's config.json alone; set hardware.hf_config to one")
+    return ModelConfig.from_hf(json.loads(source.read_text())), str(source)
+
+
+def dry_run_plan(cfg: SluiceConfig) -> str:
+    """The dry run's plan: the model, the layout and one rank's memory; ConfigError for a layout that cannot run
+    or cannot fit (every reason at once)."""
+    model, source = plan_model_config(cfg)
+    trainer, hw = cfg.trainer, cfg.hardware
+    layout = Layout(world_size=trainer.world_size, tp=trainer.tp, ep=trainer.ep)
+    problems = gpu_layout_problems(model, layout)
+    if hw.trainer_nodes is not None and hw.trainer_nodes * hw.gpus_per_node != trainer.world_size:
+        problems.append(f"hardware.trainer_nodes x gpus_per_node = {hw.trainer_nodes} x {hw.gpus_per_node} GPUs, "
+                        f"but trainer.world_size = {trainer.world_size}")
+    if problems:
+        raise ConfigError("this layout cannot run: " + "; ".join(problems))
+    device: Literal["cuda", "cpu"] = "cuda" if hw.gpu_memory_gib is not None else "cpu"
+    tokens = trainer.micro_batch_tokens or trainer.micro_batch_samples * (hw.seq_len or model.max_position_embeddings)
+    plan = plan_memory(model, layout, device=device, tokens=tokens, kl_reference=trainer.loss.kl_coef > 0)
+    text = format_plan(plan, model, source, cfg)
+    if hw.gpu_memory_gib is not None:
+        usable = hw.usable_fraction * hw.gpu_memory_gib * GIB
+        if plan.total > usable:
+            raise ConfigError(
+                f"{text}\nthis layout cannot fit: one rank needs about {plan.total / GIB:.1f} GiB, and "
+                f"{hw.usable_fraction:g} x {hw.gpu_memory_gib:g} GiB = {usable / GIB:.1f} GiB is usable; raise ep "
+                "(experts over more ranks), tp, or trainer.world_size, or lower micro_batch_samples / "
+                "micro_batch_tokens"
+            )
+    return text
+
+
+def format_plan(plan: MemoryPlan, model: ModelConfig, source: str, cfg: SluiceConfig) -> str:
+    """The plan as the dry run prints it."""
+    c, lay, hw = plan.counts, plan.layout, cfg.hardware
+    shape = f"{model.num_experts} experts, top-{model.moe_topk}" if model.is_moe else "dense"
+    where = f"{hw.trainer_nodes} node(s) x {hw.gpus_per_node} {hw.gpu}" if hw.trainer_nodes and hw.gpu else (
+        hw.gpu or "this machine")
+    lines = [
+        f"memory plan per trainer rank ({plan.device}; from {source})",
+        f"  model      {model.family}, {_count(c.total)} parameters ({_count(c.active)} active per token; {shape}; "
+        f"{model.dtype})",
+        f"  layout     world {lay.world_size} = tp {lay.tp} x dp {lay.dp} (pp 1); ep {lay.ep} x etp {lay.etp}, "
+        f"expert-dp {lay.expert_dp}; on {where}",
+        f"  parameters {_gib(plan.params)}  {_count(c.rank_dense)} dense + {_count(c.rank_expert)} expert",
+        f"  gradients  {_gib(plan.grads)}",
+        f"  optimizer  {_gib(plan.optimizer)}",
+    ]
+    if plan.reference:
+        lines.append(f"  reference  {_gib(plan.reference)}  (KL anchor, parameters only)")
+    lines.append(f"  activations {_gib(plan.activations)[1:]}  (estimate: micro-batch of {plan.tokens} tokens, "
+                 "no recomputation)")
+    total = f"  total      {_gib(plan.total)}"
+    if hw.gpu_memory_gib is not None:
+        total += f"  of {hw.usable_fraction * hw.gpu_memory_gib:.1f} GiB usable ({hw.gpu_memory_gib:g} GiB GPU)"
+    lines.append(total)
+    if hw.sglang_launch:
+        nodes = f" on {hw.engine_nodes} node(s)" if hw.engine_nodes else ""
+        lines.append(f"engines{nodes}, each started with: {hw.sglang_launch}")
+    return "\n".join(lines)
+
+
+def _count(n: int) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / GIB:9.2f} GiB"

@@ -1,0 +1,89 @@
+"""``sluice export``: a run's Megatron checkpoint as an HF folder that ``from_pretrained`` loads as it is.
+
+The conversion is the one held-out evaluation uses (``CheckpointExporter``): the trainer's architecture is built
+once in this process at world size 1, the dist-checkpoint is loaded into it (megatron's dist-checkpointing reshards
+whatever TP/EP layout the trainer saved under), and ``megatron_to_hf_state_dict`` writes HF names. The config and
+tokenizer come from the folder the run's trainer started from (the warm-started model when the recipe has a warm
+start), so the export serves exactly as the run's engines did.
+
+The folder is assembled in ``OUT.tmp`` and renamed into place, so a crash never leaves a folder that looks complete.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.errors import ConfigError
+
+EXPORT_META = "sluice_export.json"
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """Where the export went and what it holds."""
+
+    folder: Path
+    checkpoint: Path
+    step: int
+    policy_version: int
+
+
+def find_checkpoint(run_dir: Path, step: int | None) -> Path:
+    """The run's checkpoint of ``step``, or its newest complete one; an error lists what there is."""
+    from pipeline.consumers.heldout import run_checkpoints
+
+    found = run_checkpoints(run_dir)
+    if not found:
+        raise ConfigError(f"{run_dir} has no complete checkpoint under checkpoints/ (step-N folders): the trainer "
+                          "writes one every trainer.checkpoint_every steps and at its end")
+    if step is None:
+        return max(found, key=_step_of)
+    for ckpt in found:
+        if _step_of(ckpt) == step:
+            return ckpt
+    have = ", ".join(str(_step_of(c)) for c in sorted(found, key=_step_of))
+    raise ConfigError(f"{run_dir} has no checkpoint of step {step}; steps with one: {have} (omit --step for the "
+                      "newest)")
+
+
+def _step_of(ckpt: Path) -> int:
+    return int(ckpt.name.removeprefix("step-"))
+
+
+def export_run(run_dir: Path, out: Path, step: int | None = None) -> ExportResult:
+    """Write the checkpoint of ``step`` (default: the newest) of the run in ``run_dir`` as an HF folder ``out``."""
+    from pipeline.consumers.heldout import CheckpointExporter
+    from pipeline.consumers.megatron.checkpoint import read_checkpoint_meta
+    from pipeline.launch import CONFIG_FILE, load_run_config, model_folder
+
+    run_dir = Path(run_dir)
+    if not (run_dir / CONFIG_FILE).is_file():
+        raise ConfigError(f"{run_dir} has no {CONFIG_FILE}: not the folder of a `sluice run` (give --run-dir the "
+                          "run folder)")
+    if out.exists():
+        raise ConfigError(f"{out} already exists; export into a new folder (or remove it first)")
+    ckpt = find_checkpoint(run_dir, step)
+    meta = read_checkpoint_meta(ckpt)
+    cfg = load_run_config(run_dir)
+    # The saved config names the run folder as the launcher saw it (often relative to another working directory).
+    cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"run_dir": run_dir})})
+    like = model_folder(cfg)
+    if not (like / "config.json").is_file():
+        raise ConfigError(f"the run's starting model {like} has no config.json; the export takes its config and "
+                          "tokenizer from there (restore that folder, or the run's model.path)")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    exporter = CheckpointExporter(cfg, like)
+    try:
+        exporter.export(ckpt, tmp)
+    finally:
+        exporter.close()
+    result = ExportResult(out, ckpt, int(meta.get("step", _step_of(ckpt))), int(meta.get("policy_version", -1)))
+    (tmp / EXPORT_META).write_text(json.dumps({"run_dir": str(run_dir), "checkpoint": ckpt.name, "step": result.step,
+                                               "policy_version": result.policy_version}))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp.rename(out)
+    return result

@@ -1,0 +1,324 @@
+"""Packing named weights into flat buckets for the push, one bucket at a time.
+
+A bucket on the wire is one uint8 tensor: its tensors' bytes back to back, in the announced order and dtype, with
+no padding. That is SGLang's ``load_format="flattened_bucket"`` layout (its ``FlattenedTensorBucket``), so one
+broadcast moves a whole bucket instead of one per tensor (gloo pays a fixed cost per collective; the bench measures
+it), and the same layout serves the per-tensor wire too (each tensor is a view of its bucket).
+
+``BucketPacker.stream`` consumes the exporter lazily: each tensor is cast into its bucket's buffer as it arrives (one
+pass: cast and copy), so the whole model is never gathered. At most ``slots`` bucket buffers are alive at once: the
+one being sent and the one being packed (``BucketSlots``). The packer then waits for the sender to give a buffer
+back, which bounds rank 0's extra memory to about two buckets plus the tensor in hand. A tensor larger than a bucket
+gets a buffer of its own size, alone.
+
+**Zero-copy.** A large tensor that already is what the wire carries (the wire dtype, contiguous, on the group's
+device, at least ``zero_copy_bytes``) is not copied at all: it goes out as a bucket of its own whose flat bytes are a
+uint8 view of its own memory. It takes no buffer, and ``release`` is a no-op for it. The bucket being packed before it
+is closed and sent first, so the order on the wire stays the exporter's, and the wire format is unchanged (a bucket
+of one tensor is a normal flat bucket). The view aliases the tensor, so it is valid only while nothing writes the
+tensor: the streamed push (the next optimizer step waits for it) qualifies.
+
+``pack_all`` packs everything at once instead, and always copies: a snapshot of the weights that outlives the
+parameters changing (the trainer's overlapped push), so it must not alias them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from pipeline.errors import SyncError
+from pipeline.sync.base import DTYPE_ITEMSIZE, TensorMeta
+
+FLAT_FORMAT = "flattened_bucket"
+"""SGLang's ``load_format`` for one flat uint8 broadcast per bucket."""
+
+ZERO_COPY_MIN_BYTES = 1 << 20
+"""The smallest tensor ever sent zero-copy, whatever the bucket size (see ``BucketPacker``)."""
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name)
+    assert isinstance(dtype, torch.dtype)
+    return dtype
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_ITEMSIZE:
+        raise SyncError(f"dtype {dtype} is not one the weight push carries; cast to one of {sorted(DTYPE_ITEMSIZE)}")
+    return name
+
+
+def unpack(metas: list[TensorMeta], flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The named tensors a flat bucket holds, as views into it (copies where a tensor's offset is not aligned to its
+    element size, which a view cannot express)."""
+    total = sum(m.nbytes for m in metas)
+    if flat.dtype != torch.uint8 or flat.dim() != 1 or flat.numel() != total:
+        raise SyncError(f"a flat bucket must be {total} uint8 bytes for its {len(metas)} tensors, got "
+                        f"{flat.dtype} {list(flat.shape)}")
+    out: list[tuple[str, torch.Tensor]] = []
+    offset = 0
+    for meta in metas:
+        chunk = flat[offset : offset + meta.nbytes]
+        if offset % DTYPE_ITEMSIZE[meta.dtype]:
+            chunk = chunk.clone()
+        out.append((meta.name, chunk.view(_torch_dtype(meta.dtype)).reshape(meta.shape)))
+        offset += meta.nbytes
+    return out
+
+
+class BucketSlots:
+    """At most ``count`` bucket buffers alive at once; standard-size ones are reused (no page faults per push)."""
+
+    def __init__(self, count: int | None, bucket_bytes: int, device: torch.device) -> None:
+        self.count = count
+        self.bucket_bytes = bucket_bytes
+        self.device = device
+        self._free: list[torch.Tensor] = []
+        self._taken = 0
+        self._cond = threading.Condition()
+        self._aborted = False
+        self.live_bytes = 0
+        self.peak_bytes = 0
+
+    def take(self, nbytes: int) -> torch.Tensor | None:
+        """A uint8 buffer of at least ``nbytes``; blocks while ``count`` are taken. None once aborted."""
+        with self._cond:
+            while self.count is not None and self._taken >= self.count and not self._aborted:
+                self._cond.wait()
+            if self._aborted:
+                return None
+            self._taken += 1
+            if nbytes <= self.bucket_bytes and self._free:
+                buf = self._free.pop()
+            else:
+                buf = torch.empty(max(nbytes, self.bucket_bytes), dtype=torch.uint8, device=self.device)
+            self.live_bytes += buf.numel()
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes + sum(b.numel() for b in self._free))
+            return buf
+
+    def give_back(self, buf: torch.Tensor) -> None:
+        with self._cond:
+            self._taken -= 1
+            self.live_bytes -= buf.numel()
+            if self.count is not None and buf.numel() == self.bucket_bytes and len(self._free) < self.count:
+                self._free.append(buf)
+            self._cond.notify_all()
+
+    def abort(self) -> None:
+        """Wake a packer waiting for a buffer: the push failed, nobody will give one back."""
+        with self._cond:
+            self._aborted = True
+            self._cond.notify_all()
+
+    def reset(self) -> None:
+        """Ready for the next push: nothing taken (what a failed push left out is dropped), not aborted; the free
+        buffers stay."""
+        with self._cond:
+            self._taken = 0
+            self._aborted = False
+            self.live_bytes = 0
+            self.peak_bytes = sum(b.numel() for b in self._free)
+
+
+@dataclass
+class PackedBucket:
+    """One bucket ready for the wire: what is announced, and the flat bytes that follow the announcement."""
+
+    metas: list[TensorMeta]
+    flat: torch.Tensor
+    _release: Callable[[], None] | None = field(default=None, repr=False)
+    zero_copy: bool = False
+    """``flat`` is a view of the tensor's own memory (one tensor, nothing copied), not a bucket buffer."""
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.flat.numel())
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The named tensors, as views of the flat bytes."""
+        return unpack(self.metas, self.flat)
+
+    def release(self) -> None:
+        """Give the buffer back to its packer (streamed buckets); a no-op for a snapshot's and a zero-copy one's."""
+        if self._release is not None:
+            self._release()
+            self._release = None
+
+
+class _OpenBucket:
+    def __init__(self, buf: torch.Tensor) -> None:
+        self.buf = buf
+        self.used = 0
+        self.metas: list[TensorMeta] = []
+
+    def fits(self, nbytes: int) -> bool:
+        return self.used + nbytes <= self.buf.numel()
+
+    def add(self, meta: TensorMeta, tensor: torch.Tensor) -> None:
+        n = meta.nbytes
+        if n:
+            dst = self.buf[self.used : self.used + n]
+            wire = _torch_dtype(meta.dtype)
+            src = tensor.detach()
+            if self.used % DTYPE_ITEMSIZE[meta.dtype] == 0:
+                dst.view(wire).copy_(src.reshape(-1))  # cast, move and copy in one pass
+            else:
+                dst.copy_(src.to(device=dst.device, dtype=wire).contiguous().reshape(-1).view(torch.uint8))
+        self.metas.append(meta)
+        self.used += n
+
+
+@dataclass
+class PackStats:
+    """What a packer did: tensors and bytes packed, and the most buffer bytes alive at once."""
+
+    tensors: int = 0
+    buckets: int = 0
+    bytes: int = 0
+    peak_buffer_bytes: int = 0
+    zero_copy_tensors: int = 0
+    """Tensors sent from their own memory (each its own bucket, no buffer, no copy)."""
+    zero_copy_bytes: int = 0
+
+
+class BucketPacker:
+    """Casts named tensors to the wire dtype and packs them, in order, into flat buckets of ``bucket_bytes``; a large
+    tensor already in the wire dtype goes out of its own memory instead (``zero_copy_bytes``).
+
+    ``zero_copy_bytes``: the smallest tensor sent zero-copy; None picks a quarter of a bucket, at least 1 MiB;
+    ``zero_copy=False`` copies every tensor. The default weighs what a zero-copy tensor saves against what it costs.
+    It saves both copies of its bytes: rank 0's cast into a bucket and, for an engine that receives in place, the
+    engine's copy into its model, together about 0.27 ms per MB on the 2-core CPU machine (a 64 MB bucket: 6 ms
+    packing, 9-13 ms engine copy; benchmarks/README.md). It costs up to two extra buckets, its own and the one closed
+    early before it, at 1-2 ms of announcement round trip each. A tensor of a quarter of the default 64 MB bucket
+    (16 MB, about 4 ms of copies) is the smallest that pays for that; one below 1 MiB never does, however small the
+    buckets a test or recipe picks.
+    """
+
+    def __init__(self, *, bucket_bytes: int, dtype: str | None, device: torch.device,
+                 expected: Mapping[str, TensorMeta] | None = None, slots: int | None = 2,
+                 buffers: BucketSlots | None = None, zero_copy: bool = True,
+                 zero_copy_bytes: int | None = None) -> None:
+        if bucket_bytes <= 0:
+            raise SyncError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        if dtype is not None and dtype not in DTYPE_ITEMSIZE:
+            raise SyncError(f"dtype {dtype!r} is not one the weight push carries; use one of {sorted(DTYPE_ITEMSIZE)}")
+        if zero_copy_bytes is not None and zero_copy_bytes <= 0:
+            raise SyncError(f"zero_copy_bytes must be positive, got {zero_copy_bytes}; pass zero_copy=False to copy "
+                            "every tensor")
+        self.bucket_bytes = bucket_bytes
+        self.dtype = dtype
+        self.expected = expected
+        self.device = device
+        self.zero_copy_bytes: int | None = None
+        """Tensors of at least this many bytes go out zero-copy when they qualify; None: every tensor is copied."""
+        if zero_copy:
+            self.zero_copy_bytes = zero_copy_bytes or max(bucket_bytes // 4, ZERO_COPY_MIN_BYTES)
+        # A pusher passes its own slots, so that the two buffers outlive one push: a fresh 64 MB buffer costs
+        # more in page faults (measured: 0.11 s) than the copy into it (0.01 s).
+        self.slots = buffers if buffers is not None else BucketSlots(slots, bucket_bytes, device)
+        self.stats = PackStats()
+        self._seen: set[str] = set()
+
+    def meta(self, name: str, tensor: torch.Tensor) -> TensorMeta:
+        """What is announced for one tensor; SyncError for a duplicate, a non-tensor, or one the engine lacks."""
+        if not isinstance(tensor, torch.Tensor):
+            raise SyncError(f"weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+        if name in self._seen:
+            raise SyncError(f"weight {name!r} appears twice in one push; the exporter must yield each name once")
+        self._seen.add(name)
+        dtype = self.dtype if self.dtype is not None and tensor.is_floating_point() else _dtype_name(tensor.dtype)
+        meta = TensorMeta(name=name, dtype=dtype, shape=tuple(int(d) for d in tensor.shape))
+        if self.expected is not None:
+            from pipeline.sync.weights import validate_metas
+
+            validate_metas([meta], self.expected)
+        return meta
+
+    def stream(self, named: Iterable[tuple[str, torch.Tensor]],
+               stop: threading.Event | None = None) -> Iterator[tuple[PackedBucket, bool]]:
+        """``(bucket, is_last)`` one at a time, packed as the tensors arrive, in the exporter's order. Each bucket must
+        be ``release``d once sent; the next one waits for a free buffer. A zero-copy bucket aliases its tensor until it
+        was sent. The source is always exhausted, even when the consumer stops early or ``stop`` is set (a trainer's
+        exporter is a collective every rank must finish)."""
+        source = iter(named)
+        current: _OpenBucket | None = None
+        # A zero-copy bucket waits here until the next tensor arrives: only then is it known not to be the last one,
+        # which must carry the version label.
+        ready: PackedBucket | None = None
+        try:
+            for name, tensor in source:
+                if stop is not None and stop.is_set():
+                    break
+                meta = self.meta(name, tensor)
+                if ready is not None:
+                    sent, ready = ready, None
+                    yield sent, False
+                own = self._zero_copy(meta, tensor)
+                if own is not None:
+                    if current is not None:  # sent before it: the wire keeps the exporter's order
+                        closed, current = self._close(current), None
+                        yield closed, False
+                    ready = own
+                    self.stats.tensors += 1
+                    continue
+                if current is not None and not current.fits(meta.nbytes):
+                    # Dropped before the yield: from here the bucket's buffer is the consumer's to give back.
+                    closed, current = self._close(current), None
+                    yield closed, False
+                if current is None:
+                    buf = self.slots.take(meta.nbytes)
+                    if buf is None:
+                        break
+                    current = _OpenBucket(buf)
+                current.add(meta, tensor)
+                self.stats.tensors += 1
+            else:
+                # At most one of the two is set: a zero-copy bucket closes the open one, the next tensor sends it.
+                last = ready if ready is not None else self._close(current) if current is not None else None
+                ready = current = None
+                if last is not None:
+                    yield last, True
+        finally:
+            if current is not None:
+                self.slots.give_back(current.buf)
+            for _ in source:  # keep the other trainer ranks' collectives in step
+                pass
+            self.stats.peak_buffer_bytes = self.slots.peak_bytes
+
+    def pack_all(self, named: Iterable[tuple[str, torch.Tensor]]) -> list[PackedBucket]:
+        """Every weight packed at once (no buffer limit): a snapshot that stays valid while the parameters change."""
+        self.slots.count = None
+        self.zero_copy_bytes = None  # a snapshot is copies by definition: the parameters keep training under it
+        buckets = [bucket for bucket, _ in self.stream(named)]
+        for bucket in buckets:
+            bucket._release = None  # a snapshot's buffers live as long as it does
+        return buckets
+
+    def _zero_copy(self, meta: TensorMeta, tensor: torch.Tensor) -> PackedBucket | None:
+        """The tensor as a bucket of its own memory, or None where it must be copied: too small to pay for its own
+        bucket, another dtype than the wire's (it must be cast), not contiguous, or not where the group sends from."""
+        if self.zero_copy_bytes is None or meta.nbytes < self.zero_copy_bytes:
+            return None
+        if str(tensor.dtype).removeprefix("torch.") != meta.dtype or not tensor.is_contiguous():
+            return None
+        if tensor.device != self.device:
+            return None
+        flat = tensor.detach().reshape(-1).view(torch.uint8)
+        self.stats.buckets += 1
+        self.stats.bytes += meta.nbytes
+        self.stats.zero_copy_tensors += 1
+        self.stats.zero_copy_bytes += meta.nbytes
+        return PackedBucket([meta], flat, None, zero_copy=True)
+
+    def _close(self, bucket: _OpenBucket) -> PackedBucket:
+        buf = bucket.buf
+        flat = buf[: bucket.used]
+        self.stats.buckets += 1
+        self.stats.bytes += bucket.used
+        return PackedBucket(bucket.metas, flat, lambda: self.slots.give_back(buf))

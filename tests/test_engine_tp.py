@@ -1,0 +1,71 @@
+"""Engines with TP > 1 in the weight group: a CPU engine with ``--tp 2`` (two ranks, as an SGLang server with TP 2
+joins) and one with TP 1, pushed to through the trainer's own connect path. The trainer must count every rank: a
+world of 1 + 2 + 1, offsets 1 and 3. Both engines then serve the pushed weights, and each rank of the TP-2 engine
+took every byte off the group."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from engines import start_engine
+from safetensors.torch import load_file
+
+from pipeline.config import SluiceConfig
+from pipeline.consumers.train_main import _connect_pusher
+from pipeline.models.tiny import init_tiny_model
+from pipeline.producers.sglang_client import NO_RETRY, SGLangClient
+
+pytestmark = pytest.mark.slow
+PROMPT = [11, 12, 13, 14, 15]
+GREEDY = {"temperature": 0.0, "max_new_tokens": 10}
+
+
+def _greedy_reference(model_dir: Path) -> list[int]:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        for _ in range(GREEDY["max_new_tokens"]):
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[0, len(PROMPT):].tolist()
+
+
+def test_a_push_reaches_every_rank_of_a_tp2_engine_and_a_tp1_engine(model_dir: Path, tmp_path: Path) -> None:
+    trained = init_tiny_model("qwen3-moe", tmp_path / "trained", seed=1)
+    weights = sorted(load_file(str(trained / "model.safetensors")).items())
+    wire_bytes = sum(t.numel() * t.element_size() for _, t in weights)
+    engines = [start_engine(model_dir, tmp_path, None, "--tp", "2"), start_engine(model_dir, tmp_path)]
+    cfg = SluiceConfig.model_validate({"sync": {"backend": "gloo"}})
+
+    async def scenario() -> tuple[Any, list[Any], list[Any]]:
+        clients = [SGLangClient(e.url, retry=NO_RETRY) for e in engines]
+        rotation = await _connect_pusher(cfg, list(clients), tmp_path, model_dir)
+        try:
+            world_size = rotation.pusher.group.world_size
+            ranks = [(await c.model_info()).raw["weight_groups"] for c in clients]
+            await rotation.push(weights, 1)
+            outputs = [await c.generate(PROMPT, GREEDY, return_logprob=False) for c in clients]
+            loads = [await c.get_load() for c in clients]
+            return (world_size, ranks), outputs, loads
+        finally:
+            await rotation.close()
+            for c in clients:
+                await c.close()
+
+    try:
+        (world_size, ranks), outputs, loads = asyncio.run(scenario())
+    finally:
+        for e in engines:
+            e.stop()
+    assert world_size == 1 + 2 + 1
+    assert ranks == [{"sluice_weights": [1, 2]}, {"sluice_weights": [3]}]  # rank offsets 1 and 3
+    expected = _greedy_reference(trained)
+    for out in outputs:
+        assert out.output_ids.tolist() == expected and out.token_versions() == ["1"] * len(expected)
+    tp2, tp1 = (load.ranks[0]["weight_bytes_received_per_tp_rank"] for load in loads)
+    assert tp2 == [wire_bytes, wire_bytes] and tp1 == [wire_bytes]

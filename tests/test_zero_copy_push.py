@@ -1,0 +1,441 @@
+"""Zero-copy for large tensors on both ends of the weight push (docs/weight-push.md, "Zero-copy for large tensors").
+
+Sender: a large tensor already in the wire dtype goes out as a bucket of its own memory (a uint8 view of it), so no
+bucket buffer is taken for it and nothing is copied; smaller tensors, and tensors the push must cast, are packed as
+before, in the exporter's order. ``pack_all`` (the snapshot the overlapped push sends while the next step trains)
+keeps copying.
+
+Receiver: a real CPU engine (the engine class and its HTTP app, served in this process so that the test can look at
+its parameters) paused in place for the push receives such a bucket straight into the parameter: the bytes land in
+the parameter's own storage, the receive pool is not used for them, the weights are the pushed ones bit for bit, and
+generation, also of a request that was running when the push came, gives the new weights' log-probs. A bucket whose
+in-place receive fails leaves the version label where it was.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from aiohttp import web
+from safetensors.torch import load_file
+from test_push_consistency import PROMPT, _reference_logprobs
+
+from pipeline.errors import SyncError
+from pipeline.models.tiny import init_tiny_model
+from pipeline.producers.sglang_client import NO_RETRY, SGLangClient
+from pipeline.queue.redis_server import free_port
+from pipeline.sync.packing import ZERO_COPY_MIN_BYTES, BucketPacker, BucketSlots
+from pipeline.sync.weights import WeightPusher
+
+KB = 1 << 10
+CPU = torch.device("cpu")
+LOGPROB_ATOL = 1e-4  # fp32 engine vs an fp32 reference: rounding of differently shaped matmuls only
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    # The in-process engine and this test share the process's intra-op threads; one keeps a 2-core machine usable.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class _CountingSlots(BucketSlots):
+    """Bucket buffers that remember every take."""
+
+    def __init__(self, bucket_bytes: int) -> None:
+        super().__init__(2, bucket_bytes, CPU)
+        self.takes: list[int] = []
+
+    def take(self, nbytes: int) -> torch.Tensor | None:
+        self.takes.append(nbytes)
+        return super().take(nbytes)
+
+
+def _named(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
+    """Small and large fp32 tensors interleaved, a large one last (it carries the version label)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        ("small.a", torch.randn(16, generator=gen)),
+        ("big.a", torch.randn(64, 64, generator=gen)),  # 16 KB
+        ("small.b", torch.randn(8, 3, generator=gen)),
+        ("small.c", torch.randn(5, generator=gen)),
+        ("big.b", torch.randn(32, 256, generator=gen)),  # 32 KB
+        ("big.c", torch.randn(4096, generator=gen)),  # straight after another large one
+        ("ids", torch.arange(4096)),  # int64, 32 KB: integers travel as they are, so their dtype is the wire's
+        ("small.d", torch.randn(7, generator=gen)),
+        ("big.strided", torch.randn(64, 128, generator=gen).t()),  # not contiguous: must be copied
+        ("big.last", torch.randn(80, 64, generator=gen)),
+    ]
+
+
+def _stream(packer: BucketPacker, named: list[tuple[str, torch.Tensor]]) -> list[tuple[list[str], bool, bool, int,
+                                                                                        dict[str, torch.Tensor]]]:
+    out = []
+    for bucket, last in packer.stream(named):
+        tensors = {n: t.clone() for n, t in bucket.tensors()}
+        out.append(([m.name for m in bucket.metas], last, bucket.zero_copy, bucket.flat.data_ptr(), tensors))
+        bucket.release()
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Sender
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_large_tensors_in_the_wire_dtype_go_out_of_their_own_memory_in_the_exporters_order() -> None:
+    named = _named()
+    slots = _CountingSlots(64 * KB)
+    packer = BucketPacker(bucket_bytes=64 * KB, dtype="float32", device=CPU, buffers=slots,
+                          zero_copy_bytes=16 * KB)
+    seen = _stream(packer, named)
+
+    assert [n for names, *_ in seen for n in names] == [n for n, _ in named]  # the exporter's order, on the wire too
+    assert [(names, last, zero) for names, last, zero, _, _ in seen] == [
+        (["small.a"], False, False),
+        (["big.a"], False, True),
+        (["small.b", "small.c"], False, False),  # closed early: the large tensor after it goes first
+        (["big.b"], False, True),
+        (["big.c"], False, True),
+        (["ids"], False, True),
+        (["small.d", "big.strided"], False, False),
+        (["big.last"], True, True),  # a zero-copy bucket can be the last one, which carries the label
+    ]
+    by_name = dict(named)
+    for names, _, zero, ptr, tensors in seen:
+        if zero:
+            # The broadcast's bytes are the tensor's own memory.
+            assert ptr == by_name[names[0]].data_ptr(), names
+        for name in names:
+            assert torch.equal(tensors[name], by_name[name]), name
+    # Buffers were taken for the copied buckets only, and never for a large tensor.
+    assert len(slots.takes) == sum(1 for *_, zero, _, _ in seen if not zero) == 3
+    assert max(slots.takes) < 16 * KB
+    zero_bytes = sum(by_name[n].numel() * by_name[n].element_size() for n in ("big.a", "big.b", "big.c", "ids",
+                                                                              "big.last"))
+    assert packer.stats.zero_copy_tensors == 5 and packer.stats.zero_copy_bytes == zero_bytes
+    assert packer.stats.tensors == len(named) and packer.stats.buckets == len(seen)
+
+
+def test_only_large_tensors_take_no_buffer_at_all_and_the_default_threshold_is_a_quarter_bucket() -> None:
+    gen = torch.Generator().manual_seed(1)
+    named = [(f"w{i}", torch.randn(1 << 18, generator=gen)) for i in range(3)]  # 1 MiB each
+    slots = _CountingSlots(4 << 20)
+    packer = BucketPacker(bucket_bytes=4 << 20, dtype=None, device=CPU, buffers=slots)
+    assert packer.zero_copy_bytes == 1 << 20  # a quarter of 4 MiB
+    seen = _stream(packer, named)
+    assert [(names, last, zero) for names, last, zero, _, _ in seen] == [
+        (["w0"], False, True), (["w1"], False, True), (["w2"], True, True)]
+    assert slots.takes == [] and packer.stats.peak_buffer_bytes == 0
+    # Small buckets never make small tensors zero-copy: an extra bucket costs more than their copy saves.
+    assert BucketPacker(bucket_bytes=64 * KB, dtype=None, device=CPU).zero_copy_bytes == ZERO_COPY_MIN_BYTES
+    assert BucketPacker(bucket_bytes=64 * KB, dtype=None, device=CPU, zero_copy=False).zero_copy_bytes is None
+
+
+def test_a_tensor_in_another_dtype_than_the_wire_is_cast_and_packed() -> None:
+    named = [(n, t) for n, t in _named() if t.is_floating_point()]  # fp32, as a trainer holds them
+    slots = _CountingSlots(64 * KB)
+    packer = BucketPacker(bucket_bytes=64 * KB, dtype="bfloat16", device=CPU, buffers=slots, zero_copy_bytes=1)
+    seen = _stream(packer, named)
+    assert not any(zero for *_, zero, _, _ in seen) and packer.stats.zero_copy_bytes == 0
+    assert len(slots.takes) == len(seen)
+    got = {n: t for *_, tensors in seen for n, t in tensors.items()}
+    for name, sent in named:
+        assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], sent.to(torch.bfloat16)), name
+
+
+def test_a_snapshot_copies_so_the_parameters_training_on_do_not_change_it() -> None:
+    named = _named()
+    before = {n: t.clone() for n, t in named}
+    packer = BucketPacker(bucket_bytes=64 * KB, dtype="float32", device=CPU, slots=None, zero_copy_bytes=1)
+    snapshot = packer.pack_all(named)
+    assert not any(b.zero_copy for b in snapshot)
+    pointers = {t.data_ptr() for _, t in named}
+    assert not any(b.flat.data_ptr() in pointers for b in snapshot)
+    for _, tensor in named:  # the next optimizer step
+        tensor.add_(1)
+    got = {n: t for b in snapshot for n, t in b.tensors()}
+    assert all(torch.equal(got[n], before[n]) for n in before)
+
+
+def test_a_stopped_stream_still_walks_the_exporter_with_a_zero_copy_bucket_pending() -> None:
+    pulled: list[int] = []
+
+    def source() -> Iterator[tuple[str, torch.Tensor]]:
+        for i in range(6):
+            pulled.append(i)
+            yield f"w{i}", torch.zeros(4096)
+
+    packer = BucketPacker(bucket_bytes=64 * KB, dtype=None, device=CPU, zero_copy_bytes=8 * KB)
+    stream = packer.stream(source())
+    first, last = next(stream)
+    assert first.zero_copy and not last and [m.name for m in first.metas] == ["w0"]
+    stream.close()  # the push failed after its first bucket
+    assert pulled == list(range(6))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Receiver: no forward pass while a parameter is written in place
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class _SlowGenerator:
+    """What the scheduler needs of a generator; each forward pass blocks until the test lets it finish."""
+
+    def __init__(self) -> None:
+        self.rows: list[object] = []
+        self.num_tokens = 0
+        self.tokens_generated = 0
+        self.forward_passes = 0
+        self.in_pass = threading.Event()
+        self.finish = threading.Event()
+
+    def admit(self, seqs: list[object]) -> list[object]:
+        self.rows.extend(seqs)
+        return []
+
+    def step(self) -> list[object]:
+        self.in_pass.set()
+        self.finish.wait(30)
+        self.forward_passes += 1
+        time.sleep(0.002)  # once released, a pass per 2 ms rather than a spinning core
+        return []
+
+    def abort(self, predicate: Any, message: str) -> list[object]:
+        return []
+
+
+def test_holding_forward_passes_waits_for_the_pass_in_flight_and_lets_none_start() -> None:
+    from pipeline.producers.cpu_engine.scheduler import Scheduler
+
+    gen = _SlowGenerator()
+    scheduler = Scheduler(gen, max_batch=4)  # type: ignore[arg-type]
+    scheduler.start()
+    holding, done = threading.Event(), threading.Event()
+    passes_while_held: list[int] = []
+
+    def receive_in_place() -> None:
+        with scheduler.hold_passes():
+            holding.set()
+            before = gen.forward_passes
+            scheduler.set_paused(False)  # a /continue_generation that comes mid-receive changes nothing
+            time.sleep(0.3)
+            passes_while_held.append(gen.forward_passes - before)
+        done.set()
+
+    try:
+        scheduler.submit([object()])  # type: ignore[list-item]
+        assert gen.in_pass.wait(30)  # a forward pass is running
+        scheduler.set_paused(True)  # the pusher's pause in place: the pass in flight still runs to its end
+        writer = threading.Thread(target=receive_in_place, daemon=True)
+        writer.start()
+        assert not holding.wait(0.3)  # the hold waits for the pass in flight
+        gen.finish.set()
+        assert holding.wait(30) and done.wait(30)
+        assert passes_while_held == [0]
+        deadline = time.monotonic() + 30
+        passes = gen.forward_passes
+        while gen.forward_passes == passes and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert gen.forward_passes > passes  # released, and continued meanwhile: generation goes on
+    finally:
+        gen.finish.set()
+        scheduler.stop()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Both ends: a push into a real CPU engine
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class _ServedEngine:
+    """The CPU engine's own ``Engine`` and HTTP app, served from a thread of this process (its own event loop), so
+    that the test can read the engine's parameters and its loader's counters."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from pipeline.producers.cpu_engine.config import CpuEngineConfig
+        from pipeline.producers.cpu_engine.server import Engine
+
+        self.engine = Engine(CpuEngineConfig(model_path=str(model_dir)))
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._loop = asyncio.new_event_loop()
+        self._runner = web.AppRunner(self._app())
+        started = threading.Event()
+        self._thread = threading.Thread(target=self._serve, args=(started,), name="test-cpu-engine", daemon=True)
+        self._thread.start()
+        if not started.wait(60):
+            raise RuntimeError("the in-process CPU engine did not start")
+
+    def _app(self) -> web.Application:
+        from pipeline.producers.cpu_engine.server import build_app
+
+        return build_app(self.engine)
+
+    def _serve(self, started: threading.Event) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(self._runner.setup())
+        self._loop.run_until_complete(web.TCPSite(self._runner, "127.0.0.1", self.port).start())
+        started.set()
+        self._loop.run_forever()
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(30)
+
+
+class _RecordingClient(SGLangClient):
+    """A real client that remembers the names of every bucket it announced."""
+
+    announced: list[list[str]]
+
+    async def update_weights_from_distributed(self, **kw: Any) -> Any:  # type: ignore[override]
+        self.announced.append(list(kw["names"]))
+        return await super().update_weights_from_distributed(**kw)
+
+
+@pytest.mark.slow
+def test_a_push_sends_large_tensors_zero_copy_and_a_paused_engine_receives_them_in_place(tmp_path: Path) -> None:
+    import transformers
+
+    old_dir = init_tiny_model("qwen3", tmp_path / "old", seed=0)
+    new_dir = init_tiny_model("qwen3", tmp_path / "new", seed=1)
+    old = transformers.AutoModelForCausalLM.from_pretrained(old_dir, dtype=torch.float32).eval()
+    new = transformers.AutoModelForCausalLM.from_pretrained(new_dir, dtype=torch.float32).eval()
+    # Resident clones, as a trainer's live parameters; sorted, then a large one last, so the labelled bucket is
+    # zero-copy too.
+    weights = [(n, t.clone()) for n, t in sorted(load_file(str(new_dir / "model.safetensors")).items())]
+    tail = "model.layers.1.mlp.up_proj.weight"
+    weights = [w for w in weights if w[0] != tail] + [w for w in weights if w[0] == tail]
+    threshold = 16 * KB  # the MLP (32 KB) and q/o projections (16 KB) go zero-copy; norms, k/v, embeddings do not
+    big = {n for n, t in weights if t.numel() * t.element_size() >= threshold}
+    small = {n for n, _ in weights} - big
+    assert len(big) >= 8 and len(small) >= 8
+    nbytes = {n: t.numel() * t.element_size() for n, t in weights}
+
+    served = _ServedEngine(old_dir)
+    params = served.engine.model.state_dict()
+    pointers = {n: params[n].data_ptr() for n, _ in weights}
+
+    pulled = 0
+    broadcasts: list[tuple[int, int, int]] = []  # (data_ptr, bytes, tensors pulled from the exporter by then)
+
+    def exporter() -> Iterator[tuple[str, torch.Tensor]]:
+        nonlocal pulled
+        for item in weights:
+            pulled += 1
+            yield item
+
+    async def scenario() -> dict[str, Any]:
+        client = _RecordingClient(served.url, retry=NO_RETRY)
+        client.announced = []
+        pusher = await WeightPusher.connect([client], master_address="127.0.0.1", backend="gloo", timeout_s=60,
+                                            bucket_bytes=64 * KB, zero_copy_bytes=threshold)
+        send = pusher.group.broadcast
+
+        def recording(tensor: torch.Tensor, src: int = 0) -> None:
+            broadcasts.append((tensor.data_ptr(), tensor.numel() * tensor.element_size(), pulled))
+            send(tensor, src)
+
+        pusher.group.broadcast = recording  # type: ignore[method-assign]
+        takes: list[int] = []
+        take = pusher._buffers.take
+        pusher._buffers.take = lambda n: takes.append(n) or take(n)  # type: ignore[method-assign]
+        greedy = {"temperature": 0.0, "max_new_tokens": 400, "ignore_eos": True}
+        try:
+            # A request running when the push comes: the engine pauses it in place, a forward pass in flight
+            # finishes under the old weights, and no pass may see a parameter half-received.
+            running = asyncio.ensure_future(client.generate(PROMPT, greedy))
+            while (await client.get_load()).total("tokens_generated") < 30:
+                await asyncio.sleep(0.005)
+            stats = await pusher.push(exporter(), 1)
+            first_takes = list(takes)
+            result = await running
+            after = await client.generate(PROMPT, {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True})
+            load = await client.get_load()
+            landed = {n: params[n].clone() for n, _ in weights}  # the engine is idle: nothing writes them now
+            # The failure case: the labelled (last, zero-copy) bucket of a second push fails after its receive.
+            receive = served.engine.weights.receive_in_place
+
+            def failing(group: Any, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> Any:
+                got = receive(group, names, dtypes, shapes)
+                if names == [tail]:
+                    raise RuntimeError("injected: the transfer broke")
+                return got
+
+            served.engine.weights.receive_in_place = failing  # type: ignore[method-assign]
+            with pytest.raises(SyncError, match="in place failed.*weight_version stays 1"):
+                await pusher.push(exporter(), 2)
+            failed_load = await client.get_load()
+            version_after_failure = await client.weight_version()
+            return {"stats": stats, "result": result, "after": after, "load": load, "takes": first_takes, "landed": landed,
+                    "announced": client.announced, "failed_load": failed_load,
+                    "version_after_failure": version_after_failure}
+        finally:
+            await pusher.close()
+            await client.close()
+
+    try:
+        out = asyncio.run(scenario())
+    finally:
+        served.stop()
+
+    stats, load = out["stats"], out["load"]
+    first_push = out["announced"][: stats.buckets]
+    # Sender: the names on the wire in the exporter's order; every large tensor a bucket of its own, broadcast from
+    # the parameter's own memory; buffers taken only for the small ones.
+    assert [n for names in first_push for n in names] == [n for n, _ in weights]
+    assert all(names == [n] for names in first_push for n in names if n in big)
+    by_ptr = {t.data_ptr(): n for n, t in weights}
+    sent_zero_copy = {by_ptr[ptr] for ptr, size, _ in broadcasts[: stats.buckets] if by_ptr.get(ptr) in big
+                      and size == nbytes[by_ptr[ptr]]}
+    assert sent_zero_copy == big
+    assert stats.zero_copy_bytes == sum(nbytes[n] for n in big)
+    buckets_with_small = sum(1 for names in first_push if names[0] in small)
+    assert len(out["takes"]) == buckets_with_small and max(out["takes"]) <= sum(nbytes[n] for n in small)
+    # The packing thread stays at most one bucket ahead of the send, plus the tensor in hand: zero-copy buckets take
+    # no buffer, so nothing else would stop it from gathering the whole model ahead.
+    bucket_of = [i for i, names in enumerate(first_push) for _ in names]
+    assert all(bucket_of[seen - 1] <= b + 2 for b, (_, _, seen) in enumerate(broadcasts[: stats.buckets]))
+
+    # Receiver: every weight the pushed one, bit for bit, in the same storage; every bucket of one tensor (each large
+    # one, and a small one that ended up alone between two) received in place, the pool used for the others only.
+    for name, sent in weights:
+        assert torch.equal(out["landed"][name].view(torch.uint8), sent.view(torch.uint8)), name
+        assert params[name].data_ptr() == pointers[name], name
+    alone = {names[0] for names in first_push if len(names) == 1}
+    assert big <= alone
+    in_place = sum(nbytes[n] for n in alone)
+    loader = served.engine.weights
+    assert loader.bytes_in_place == 2 * in_place  # both pushes, the failed one's last bucket too
+    assert loader.bytes_buffered == 2 * (sum(nbytes.values()) - in_place)
+    assert load.ranks[0]["weight_bytes_received_in_place"] == in_place
+    assert load.total("weight_bytes_received") == sum(nbytes.values()) == stats.bytes
+
+    # Generation: the request that straddled the push matches the old model up to the switch and the new one after
+    # it (over the old model's KV cache, as pausing in place leaves it); a request after the push, the new model.
+    result = out["result"]
+    spans = [(s.version, s.start, s.end) for s in result.weight_versions]
+    assert [v for v, _, _ in spans] == ["0", "1"], spans
+    tokens = result.output_ids.tolist()
+    expected = _reference_logprobs(old, new, tokens, spans[0][2])
+    assert np.abs(np.asarray(result.output_logprobs) - expected).max() < LOGPROB_ATOL
+    after = out["after"]
+    assert [s.version for s in after.weight_versions] == ["1"]
+    expected_after = _reference_logprobs(old, new, after.output_ids.tolist(), 0)
+    assert np.abs(np.asarray(after.output_logprobs) - expected_after).max() < LOGPROB_ATOL
+
+    # A push whose labelled bucket failed in place: the label stays, generation stays paused until a whole push.
+    assert out["version_after_failure"] == "1"
+    assert out["failed_load"].ranks[0]["paused"] is True
