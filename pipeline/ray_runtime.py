@@ -97,20 +97,46 @@ class PrivateHead:
         if launcher.wait() != 0:
             raise SluiceError(f"could not start Ray's reaper (exit {launcher.returncode}); see {self.log_path}")
 
-    def address(self, timeout_s: float = 120.0) -> str:
-        """The GCS address, once the head has written it."""
+    def address(self, timeout_s: float = 120.0, attempts: int = 3) -> str:
+        """The GCS address, once the head has written it.
+
+        A head that exits while starting is started again, up to ``attempts`` starts in all: under load (a warm start
+        training on every core beside it) Ray's own start-up deadlines can lapse, and a second start then finds the
+        machine quieter. Each failed start's log tail is logged; the last one's is in the error.
+        """
+        for attempt in range(1, attempts + 1):
+            if self._wait_for_address(timeout_s):
+                return (self.temp_dir / "ray_current_cluster").read_text().strip()
+            tail = self.log_tail()
+            if attempt == attempts:
+                raise SluiceError(f"the run's Ray instance exited while starting ({attempts} starts); "
+                                  f"the end of {self.log_path}:\n{tail}")
+            log.warning("the run's Ray instance exited while starting (start %d of %d); starting it again. "
+                        "The end of its log:\n%s", attempt, attempts, tail)
+            self.reaper_pid = None
+            self.start()
+        raise AssertionError("unreachable")
+
+    def _wait_for_address(self, timeout_s: float) -> bool:
+        """True once the address is written, False if the head exited first."""
         address_file = self.temp_dir / "ray_current_cluster"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.reaper_pid is None and (self.state_dir / "reaper.pid").exists():
                 self.reaper_pid = int((self.state_dir / "reaper.pid").read_text())
-            if address_file.exists() and (text := address_file.read_text().strip()):
-                return text
+            if address_file.exists() and address_file.read_text().strip():
+                return True
             if (self.state_dir / "exit").exists():
-                raise SluiceError(f"the run's Ray instance exited while starting; see {self.log_path}")
+                return False
             time.sleep(0.1)
         self.stop()
         raise SluiceError(f"the run's Ray instance did not start within {timeout_s:.0f}s; see {self.log_path}")
+
+    def log_tail(self, lines: int = 25) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError as e:
+            return f"(no log: {e})"
 
     def stop(self, timeout_s: float = 30.0) -> None:
         if self.reaper_pid is None and (self.state_dir / "reaper.pid").exists():
