@@ -161,32 +161,3 @@ def test_a_launcher_killed_with_sigkill_takes_its_ray_instance_and_processes_wit
         if launcher.poll() is None:
             launcher.kill()
 
-
-def test_a_head_that_exits_while_starting_is_started_again(tmp_path: Path) -> None:
-    """The first ``ray start`` is killed before it wrote its address (what Ray's own start-up deadlines did under a
-    loaded CI machine); the launcher's head starts a second one, connects, and stops it leaving nothing."""
-    run_dir = tmp_path / "r"
-    run_dir.mkdir()
-    head = start_private_head(run_dir, num_cpus=2, dashboard=False)
-    _wait_for([head.state_dir / "reaper.pid"])
-    reaper = psutil.Process(int((head.state_dir / "reaper.pid").read_text()))
-    deadline = time.monotonic() + 30
-    while not (first := reaper.children()):
-        assert time.monotonic() < deadline, "the reaper started no ray start"
-        time.sleep(0.01)
-    assert not (head.temp_dir / "ray_current_cluster").exists(), "too late: the first start already finished"
-    first[0].kill()
-    every: list[psutil.Process] = [reaper]
-    try:
-        with connected(run_dir, head) as instance:
-            assert instance.address
-            second = psutil.Process(head.reaper_pid)
-            assert second.pid != reaper.pid
-            every += [second, *second.children(recursive=True)]
-        assert (head.state_dir / "exit").exists()
-    finally:
-        for p in every:
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                p.kill()
-    time.sleep(1)
-    assert not [p.pid for p in every if _alive(p.pid)]
