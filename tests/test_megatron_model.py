@@ -162,3 +162,64 @@ def test_checkpoint_roundtrips_model_and_optimizer(tmp_path) -> None:
     for name, param in fresh.named_parameters():
         torch.testing.assert_close(param.detach(), reference_params[name], rtol=0, atol=1e-6)
 
+
+
+_SETUPS = r"""
+import json, os, sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from pipeline.consumers.megatron import model
+from pipeline.consumers.megatron.config import ParallelConfig
+
+cpu = ParallelConfig(device="cpu")
+
+
+def counts():
+    tasks = Path(f"/proc/{os.getpid()}/task")
+    loops = 0
+    for task in tasks.iterdir():
+        try:
+            loops += (task / "comm").read_text().startswith("gloo_tcp_loop")
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return {"groups": len(dist.distributed_c10d._world.pg_map), "loops": loops}
+
+
+model.init_parallel(cpu, seed=0)
+seen = {"first": counts()}
+for seed in range(4):
+    model.init_parallel(cpu, seed=seed)
+seen["same_layout"] = counts()
+# A world of one rank has one layout; the path another layout takes is forced by saying the layout differs.
+model._same_layout = lambda parallel: False
+for seed in range(4):
+    model.init_parallel(cpu, seed=seed)
+seen["other_layout"] = counts()
+print(json.dumps(seen))
+"""
+
+
+def test_setting_megatron_up_again_keeps_one_set_of_groups(tmp_path) -> None:
+    """A process that sets megatron up many times (a test process; a trainer set up again in place) holds one set of
+    groups. Each gloo group left behind keeps a TCP loop thread that polls while idle: stop 18's test process held
+    1,232 and spent both cores. Measured in a fresh process, so no other test's groups count."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "setups.py"
+    script.write_text(_SETUPS)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=os.getcwd())
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    first = seen["first"]
+    assert first["groups"] > 5 and first["loops"] > 5, seen  # megatron's groups exist, with their loops
+    # Four setups more per path: without the fix each adds about 17 groups and as many loops.
+    assert seen["same_layout"]["groups"] == first["groups"], seen
+    assert seen["other_layout"]["groups"] == first["groups"], seen
+    # A destroyed group's loop may still be winding down when counted.
+    assert seen["other_layout"]["loops"] <= first["loops"] + 4, seen
