@@ -516,6 +516,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     _add_dataclass_args(p, "pipeline.benchmarks.faults", "FaultsBenchParams")
     p.set_defaults(func=lambda a: __import__("pipeline.benchmarks.faults", fromlist=["cmd"]).cmd(a))
+    p = bsub.add_parser("faults-merge", help="fold the faults.json of `sluice bench faults` invocations into one "
+                                             "record, its summaries recomputed from the trials")
+    p.add_argument("runs", nargs="+", help="--out folders of `sluice bench faults` runs (or their faults.json)")
+    p.add_argument("--into", default="benchmarks/results/faults.json", help="the record to update")
+    p.set_defaults(func=lambda a: __import__("pipeline.benchmarks.fault_merge", fromlist=["cmd"]).cmd(a))
     return parser
 
 
