@@ -1,0 +1,340 @@
+"""The CPU engine's weight-update endpoints, SGLang 0.5.23's on aiohttp; ``server.py`` serves generation and wires
+both into one application.
+
+Endpoints (bodies and answers in SGLang's field names):
+
+- ``POST /init_weights_update_group`` ``{master_address, master_port, rank_offset, world_size, group_name, backend}``
+  joins the weight group (gloo only here) as ranks ``rank_offset .. rank_offset + tp - 1`` (``--tp``, see
+  ``tp_group.py``) and answers once joined; ``POST /destroy_weights_update_group``.
+- ``POST /begin_weight_update``, ``POST /update_weights_from_distributed``, ``POST /end_weight_update``; the middle
+  one answers 400 outside a begin/end window, as SGLang does. While generation is paused (the pusher pauses in
+  place for the push; ``--hold-until-update`` holds until the first one), a flat bucket of one tensor that fits its
+  parameter exactly is received straight into it (``WeightLoader.receive_in_place``, TP 1 only); other buckets are
+  received into a buffer and copied in between forward passes.
+- ``POST /update_weights_from_disk`` ``{model_path, weight_version, abort_all_requests (default false)}``: load a
+  whole HF folder's safetensors (SGLang's protocol; the evaluator loads weight snapshots this way). The folder must
+  fit the served architecture and cover every parameter; otherwise the old weights are kept. ``model_path`` in
+  ``/model_info`` then names the folder.
+- ``POST /update_weight_version`` ``{new_version, abort_all_requests (default true, as SGLang)}``.
+- ``POST /weight_group_probe`` ``{group_name, nbytes, prepare}``: sluice's own, the bare-broadcast reference of
+  ``sluice bench sync`` (``tp_group.py``).
+- ``POST /pause_generation`` ``{mode: abort|retract|in_place}`` (retract behaves like in_place: requests keep their
+  KV cache and resume), ``POST /continue_generation``, ``POST /flush_cache``.
+
+Every endpoint here answers ``{"success": bool, "message": str}``.
+
+Pausing and continuing are here because a push depends on them: whether generation is paused decides whether a bucket
+is received in place, and continuing ends a ``--hold-until-update`` hold. What the weight and generation handlers
+share (the pause and the hold, the update window, the loads pending, the update lock) is the ``Engine``'s and its
+scheduler's, never a handler class's, so both classes see one state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pipeline.errors import EngineError, SluiceError
+from pipeline.producers.cpu_engine.http_io import json_body, reply
+from pipeline.producers.cpu_engine.tp_group import TpWeightGroup
+from pipeline.sync.packing import FLAT_FORMAT
+
+if TYPE_CHECKING:
+    # server.py imports this module to wire the routes; the Engine is needed here for annotations only.
+    from pipeline.producers.cpu_engine.server import Engine
+
+log = logging.getLogger(__name__)
+
+
+class InitGroupRequest(BaseModel):
+    """Body of ``/init_weights_update_group``."""
+
+    model_config = ConfigDict(extra="ignore")
+    master_address: str
+    """Host of the trainer's TCPStore (rank 0)."""
+    master_port: int = Field(ge=1, le=65535)
+    """Port of the trainer's TCPStore."""
+    rank_offset: int = Field(ge=1)
+    """This engine's rank in the group (the trainer is rank 0)."""
+    world_size: int = Field(ge=2)
+    """Trainer plus all engine ranks."""
+    group_name: str = "weight_update_group"
+    """Name the later updates refer to."""
+    backend: str = "gloo"
+    """Only gloo exists on CPU."""
+    timeout_s: float = Field(default=300.0, gt=0)
+    """How long to wait for the other members."""
+
+
+class UpdateFromDistributedRequest(BaseModel):
+    """Body of ``/update_weights_from_distributed``."""
+
+    model_config = ConfigDict(extra="ignore")
+    names: list[str]
+    """HF parameter names, in the order they are broadcast."""
+    dtypes: list[str]
+    """SGLang dtype strings ("float32", "bfloat16", ...), one per name."""
+    shapes: list[list[int]]
+    """Shapes, one per name."""
+    group_name: str = "weight_update_group"
+    """The group the tensors arrive on."""
+    flush_cache: bool = True
+    """Accepted for compatibility; the CPU engine keeps no prefix cache."""
+    abort_all_requests: bool = False
+    """Abort running and waiting requests before loading."""
+    weight_version: str | None = None
+    """Version to report once these weights are loaded; None keeps the current one."""
+    load_format: str | None = None
+    """None: one broadcast per tensor; "flattened_bucket": one flat uint8 broadcast of all the bucket's bytes."""
+
+
+class UpdateFromDiskRequest(BaseModel):
+    """Body of ``/update_weights_from_disk``."""
+
+    model_config = ConfigDict(extra="ignore")
+    model_path: str = Field(min_length=1)
+    """An HF model folder on the engine's machine, of the served architecture."""
+    load_format: str | None = None
+    """Accepted for compatibility; the CPU engine reads safetensors only."""
+    abort_all_requests: bool = False
+    """Abort running and waiting requests before loading (otherwise they continue on the new weights)."""
+    weight_version: str | int | None = None
+    """Version to report once these weights are loaded; None keeps the current one."""
+    flush_cache: bool = True
+    """Accepted for compatibility; the CPU engine keeps no prefix cache."""
+
+
+class WeightRoutes:
+    """Weight-update handlers; each one parses, validates and hands the work to the engine."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    async def init_group(self, request: web.Request) -> web.Response:
+        """``POST /init_weights_update_group``: join the trainer's weight group; answers once joined."""
+        try:
+            body = InitGroupRequest.model_validate(await json_body(request))
+        except ValidationError as exc:
+            return reply(False, f"invalid /init_weights_update_group request: {exc}")
+        if body.backend != "gloo":
+            return reply(False, f"backend {body.backend!r} is not available in the CPU engine; use backend 'gloo'")
+        old = self.engine.groups.pop(body.group_name, None)
+        if old is not None:
+            old.close()
+        tp = self.engine.cfg.tp
+        try:
+            group = await TpWeightGroup.join(tp, master_address=body.master_address, master_port=body.master_port,
+                                             rank_offset=body.rank_offset, world_size=body.world_size,
+                                             group_name=body.group_name, timeout_s=body.timeout_s,
+                                             bytes_received=self.engine.rank_bytes_received)
+        except (SluiceError, RuntimeError) as exc:
+            return reply(False, f"could not join weight group {body.group_name!r}: {exc}")
+        self.engine.groups[body.group_name] = group
+        ranks = f"ranks {body.rank_offset}..{body.rank_offset + tp - 1}" if tp > 1 else f"rank {body.rank_offset}"
+        return reply(True, f"joined weight group {body.group_name!r} as {ranks} of {body.world_size}")
+
+    async def destroy_group(self, request: web.Request) -> web.Response:
+        """``POST /destroy_weights_update_group``."""
+        body = await json_body(request)
+        name = body.get("group_name", "weight_update_group")
+        group = self.engine.groups.pop(name, None)
+        if group is None:
+            return reply(False, f"no weight group named {name!r}")
+        group.close()
+        return reply(True, f"left weight group {name!r}")
+
+    async def begin_update(self, request: web.Request) -> web.Response:
+        """``POST /begin_weight_update``: open the window in which updates are accepted."""
+        self.engine.update_window_open = True
+        return reply(True, "weight update window opened")
+
+    async def end_update(self, request: web.Request) -> web.Response:
+        """``POST /end_weight_update``: answers once every bucket received is loaded."""
+        engine = self.engine
+        engine.update_window_open = False
+        pending, engine.pending_loads = engine.pending_loads, []
+        results = await asyncio.gather(*(asyncio.wrap_future(f) for f in pending), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            engine.updated_in_window = False
+            return reply(False, f"loading a received bucket failed: {failed[0]!r}", status=500)
+        if engine.updated_in_window:
+            self._release()  # a whole push has landed: the weights are the trainer's now
+        engine.updated_in_window = False
+        return reply(True, "weight update window closed")
+
+    def _release(self) -> None:
+        if self.engine.held:
+            self.engine.held = False
+            self.engine.scheduler.set_paused(False)
+            log.info("first weight update received: generation starts")
+
+    async def update_from_distributed(self, request: web.Request) -> web.Response:
+        """``POST /update_weights_from_distributed``: receive the announced tensors, then load them between steps."""
+        engine = self.engine
+        if not engine.update_window_open:
+            return reply(
+                False, "update_weights_from_distributed must come between /begin_weight_update and /end_weight_update"
+            )
+        try:
+            body = UpdateFromDistributedRequest.model_validate(await json_body(request))
+        except ValidationError as exc:
+            return reply(False, f"invalid /update_weights_from_distributed request: {exc}")
+        if body.load_format not in (None, FLAT_FORMAT):
+            return reply(False, f"load_format {body.load_format!r} is unknown; use none or {FLAT_FORMAT!r}")
+        try:
+            engine.weights.check(body.names, body.dtypes, body.shapes)
+        except EngineError as exc:
+            return reply(False, f"{exc}; nothing was received and the old weights are kept")
+        group = engine.groups.get(body.group_name)
+        if group is None:
+            return reply(False, f"no weight group named {body.group_name!r}; call /init_weights_update_group first")
+        async with engine.update_lock:
+            if self._in_place(body, group):
+                try:
+                    tensors = await asyncio.to_thread(self._receive_in_place, group, body)
+                except (SluiceError, RuntimeError) as exc:
+                    return reply(False, f"receiving {body.names[0]} in place failed: {exc}. That tensor is undefined "
+                                        "until a whole push lands; weight_version stays "
+                                        f"{engine.generator.version}", status=500)
+                loaded: list[tuple[str, torch.Tensor]] = []  # already in the model: the load only moves the label
+            else:
+                try:
+                    # Received off the scheduler thread into buffers, so generation (if not paused) goes on during
+                    # the transfer and a failed transfer leaves the old weights whole.
+                    receive = (engine.weights.receive_flat if body.load_format == FLAT_FORMAT
+                               else engine.weights.receive)
+                    tensors = await asyncio.to_thread(group.receive, receive, body.names, body.dtypes, body.shapes,
+                                                      engine.weights.recycle)
+                except (SluiceError, RuntimeError) as exc:
+                    return reply(False, f"receiving the weights failed, old weights kept: {exc}", status=500)
+                loaded = tensors
+            engine.weight_bytes_received += sum(t.numel() * t.element_size() for _, t in tensors)
+            # Loaded by the scheduler between forward passes, in arrival order, while the next bucket is received:
+            # the answer means "received", and /end_weight_update answers once every load is done. Generation is
+            # paused during a push (pipeline.sync.weights), and the label moves with the last bucket's load, also
+            # when that bucket was received in place (its load then only sets the label).
+            engine.pending_loads.append(engine.scheduler.call(lambda: self._load(loaded, body)))
+            # The pusher labels only its last bucket: a window that saw the label received a whole push.
+            engine.updated_in_window = engine.updated_in_window or body.weight_version is not None
+        return reply(True, f"received {len(tensors)} tensors; they load before /end_weight_update answers")
+
+    def _in_place(self, body: UpdateFromDistributedRequest, group: TpWeightGroup) -> bool:
+        """Whether this bucket is received straight into its parameter: a flat bucket of one tensor that fits it
+        exactly, while generation is paused (in place for the push, or held until the first update), so no token
+        waits on the hold the receive puts on forward passes. TP 1 only: with more ranks, the other ranks' bytes are
+        compared with rank 0's before anything is loaded, and an update whose ranks disagree is refused with the
+        model untouched, which rank 0 writing into the model as it receives could no longer promise. An update that
+        aborts requests first keeps the buffered path too, whose load aborts and then writes."""
+        engine = self.engine
+        return (body.load_format == FLAT_FORMAT and len(group.members) == 1 and not body.abort_all_requests
+                and engine.scheduler.paused
+                and engine.weights.in_place_target(body.names, body.dtypes, body.shapes) is not None)
+
+    def _receive_in_place(self, group: TpWeightGroup, body: UpdateFromDistributedRequest
+                          ) -> list[tuple[str, torch.Tensor]]:
+        """Runs off the event loop. Paused or not, no forward pass may read the tensor half-written: the hold waits
+        for a pass already running when the pause came (it finishes under the old weights) and keeps new ones off
+        even if generation is continued meanwhile."""
+        with self.engine.scheduler.hold_passes():
+            return group.receive(self.engine.weights.receive_in_place, body.names, body.dtypes, body.shapes)
+
+    def _load(self, tensors: list[tuple[str, torch.Tensor]], body: UpdateFromDistributedRequest) -> None:
+        """Runs in the scheduler thread, between two forward passes."""
+        if body.abort_all_requests:
+            self.engine.abort(lambda s: True, "aborted by a weight update")
+        try:
+            self.engine.weights.apply(tensors)
+        finally:
+            self.engine.weights.recycle(tensors)
+        if body.weight_version is not None:
+            self.engine.generator.version = body.weight_version
+
+    async def update_from_disk(self, request: web.Request) -> web.Response:
+        """``POST /update_weights_from_disk``: read a whole HF folder off the scheduler thread, then load it between
+        two forward passes."""
+        engine = self.engine
+        try:
+            body = UpdateFromDiskRequest.model_validate(await json_body(request))
+        except ValidationError as exc:
+            return reply(False, f"invalid /update_weights_from_disk request: {exc}")
+        async with engine.update_lock:
+            try:
+                tensors = await asyncio.to_thread(engine.weights.read_folder, body.model_path)
+            except EngineError as exc:
+                return reply(False, f"{exc}; the old weights are kept")
+            version = None if body.weight_version is None else str(body.weight_version)
+
+            def load() -> None:
+                if body.abort_all_requests:
+                    engine.abort(lambda s: True, "aborted by a weight update")
+                engine.weights.apply(tensors)
+                engine.model_path = body.model_path
+                if version is not None:
+                    engine.generator.version = version
+
+            await asyncio.wrap_future(engine.scheduler.call(load))
+        self._release()
+        return reply(True, f"loaded {len(tensors)} tensors from {body.model_path}; weight_version "
+                           f"{engine.generator.version}")
+
+    async def update_version(self, request: web.Request) -> web.Response:
+        """``POST /update_weight_version``."""
+        body = await json_body(request)
+        if "new_version" not in body:
+            return reply(False, "update_weight_version needs new_version")
+        version, abort_all = str(body["new_version"]), bool(body.get("abort_all_requests", True))
+
+        def action() -> None:
+            if abort_all:
+                self.engine.abort(lambda s: True, "aborted by a weight version update")
+            self.engine.generator.version = version
+
+        await asyncio.wrap_future(self.engine.scheduler.call(action))
+        return reply(True, f"weight_version is now {version}")
+
+    async def pause(self, request: web.Request) -> web.Response:
+        """``POST /pause_generation``."""
+        body = await json_body(request)
+        mode = body.get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            return reply(False, f"pause mode {mode!r} is unknown; use abort, retract or in_place")
+        self.engine.scheduler.set_paused(True)
+        if mode == "abort":
+            await asyncio.wrap_future(
+                self.engine.scheduler.call(lambda: self.engine.abort(lambda s: True, "aborted by pause_generation"))
+            )
+        return reply(True, f"generation paused ({mode})")
+
+    async def resume(self, request: web.Request) -> web.Response:
+        """``POST /continue_generation``."""
+        self.engine.held = False  # an explicit go-ahead overrides a hold
+        self.engine.scheduler.set_paused(False)
+        return reply(True, "generation continues")
+
+    async def weight_group_probe(self, request: web.Request) -> web.Response:
+        """``POST /weight_group_probe`` ``{group_name, nbytes, prepare}`` (sluice only, for ``sluice bench sync``):
+        with ``prepare``, allocate a buffer of ``nbytes``; without, receive one flat broadcast into it and drop it."""
+        body = await json_body(request)
+        group = self.engine.groups.get(str(body.get("group_name", "weight_update_group")))
+        nbytes = body.get("nbytes")
+        if group is None or not isinstance(nbytes, int) or nbytes <= 0:
+            return reply(False, "weight_group_probe needs a joined group_name and nbytes > 0")
+        try:
+            if body.get("prepare"):
+                await asyncio.to_thread(group.prepare_probe, nbytes)
+            else:
+                async with self.engine.update_lock:
+                    await asyncio.to_thread(group.probe, nbytes)
+        except (SluiceError, RuntimeError) as exc:
+            return reply(False, f"probe failed: {exc}", status=500)
+        return reply(True, f"{'prepared' if body.get('prepare') else 'received'} {nbytes} bytes")
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        """``POST /flush_cache``: nothing to flush (no prefix cache); kept for protocol compatibility."""
+        return reply(True, "Cache flushed (the CPU engine keeps no prefix cache).")
