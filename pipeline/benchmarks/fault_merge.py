@@ -54,6 +54,23 @@ def merge(record: dict[str, Any], run: dict[str, Any], invocation: str) -> dict[
     return merged
 
 
+def markdown_table(summary: list[dict[str, Any]]) -> str:
+    """The record's summaries as the table in docs/faults.md."""
+    def f(x: float | None) -> str:
+        return "-" if x is None else f"{x:.1f}"
+
+    lines = ["| kind | trials | landed | finished | recovered by the launcher | resumes | lost | duplicated | other "
+             "problems | wasted per trial (samples) | recover s, median / max | restart s, median / max |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for s in summary:
+        wasted = ", ".join("-" if w is None else str(w) for w in s["wasted_per_trial"])
+        lines.append(f"| `{s['kind']}` | {s['trials']} | {s['landed']} | {s['finished']} | {s['recoveries']} | "
+                     f"{s['resumes']} | {s['lost']} | {s['duplicated']} | {s['other_problems']} | {wasted} | "
+                     f"{f(s['recover_s']['median'])} / {f(s['recover_s']['max'])} | "
+                     f"{f(s['restart_s']['median'])} / {f(s['restart_s']['max'])} |")
+    return "\n".join(lines)
+
+
 def cmd(args: Any) -> int:
     """``sluice bench faults-merge RUN_JSON... --into RECORD``."""
     into = Path(args.into)
@@ -67,7 +84,5 @@ def cmd(args: Any) -> int:
                               "faults.json")
         record = merge(record, json.loads(run_path.read_text()), invocation=run_path.parent.name)
     into.write_text(json.dumps(record, indent=1, default=str) + "\n")
-    for s in record["summary_after"]:
-        print(f"{s['kind']:18s} trials {s['trials']:3d}  finished {s['finished']:3d}  lost {s['lost']}  "
-              f"duplicated {s['duplicated']}  other {s['other_problems']}  wasted {s['wasted']}")
+    print(markdown_table(record["summary_after"]))
     return 0
