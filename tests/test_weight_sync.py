@@ -486,8 +486,9 @@ def test_gloo_throughput(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
     got = load_file(str(tmp_path / "recv.safetensors"))
-    # Each 32 MiB tensor is fp32 on the wire, at least a quarter of a bucket: sent from its own memory, one bucket each.
-    assert stats.buckets == 8 and stats.zero_copy_bytes == stats.bytes
+    # Each 32 MiB tensor is fp32 on the wire, at least a quarter of a bucket: sent from its own memory, two under
+    # each announcement (a bucket's bytes).
+    assert stats.buckets == 4 and stats.zero_copy_bytes == stats.bytes
     assert all(torch.equal(got[name], t) for name, t in tensors)
 
 

@@ -78,12 +78,13 @@ def _named(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
     ]
 
 
-def _stream(packer: BucketPacker, named: list[tuple[str, torch.Tensor]]) -> list[tuple[list[str], bool, bool, int,
-                                                                                        dict[str, torch.Tensor]]]:
+def _stream(packer: BucketPacker, named: list[tuple[str, torch.Tensor]]
+            ) -> list[tuple[list[str], bool, bool, list[int], dict[str, torch.Tensor]]]:
     out = []
     for bucket, last in packer.stream(named):
         tensors = {n: t.clone() for n, t in bucket.tensors()}
-        out.append(([m.name for m in bucket.metas], last, bucket.zero_copy, bucket.flat.data_ptr(), tensors))
+        sent = [t.data_ptr() for t in bucket.parts] if bucket.parts is not None else [bucket.flat.data_ptr()]
+        out.append(([m.name for m in bucket.metas], last, bucket.zero_copy, sent, tensors))
         bucket.release()
     return out
 
@@ -105,17 +106,16 @@ def test_large_tensors_in_the_wire_dtype_go_out_of_their_own_memory_in_the_expor
         (["small.a"], False, False),
         (["big.a"], False, True),
         (["small.b", "small.c"], False, False),  # closed early: the large tensor after it goes first
-        (["big.b"], False, True),
-        (["big.c"], False, True),
-        (["ids"], False, True),
+        (["big.b", "big.c"], False, True),  # consecutive: one announcement, one broadcast each
+        (["ids"], False, True),  # with them it would pass a bucket's bytes
         (["small.d", "big.strided"], False, False),
         (["big.last"], True, True),  # a zero-copy bucket can be the last one, which carries the label
     ]
     by_name = dict(named)
-    for names, _, zero, ptr, tensors in seen:
+    for names, _, zero, ptrs, tensors in seen:
         if zero:
-            # The broadcast's bytes are the tensor's own memory.
-            assert ptr == by_name[names[0]].data_ptr(), names
+            # The broadcasts' bytes are the tensors' own memory.
+            assert ptrs == [by_name[n].data_ptr() for n in names], names
         for name in names:
             assert torch.equal(tensors[name], by_name[name]), name
     # Buffers were taken for the copied buckets only, and never for a large tensor.
@@ -129,13 +129,15 @@ def test_large_tensors_in_the_wire_dtype_go_out_of_their_own_memory_in_the_expor
 
 def test_only_large_tensors_take_no_buffer_at_all_and_the_default_threshold_is_a_quarter_bucket() -> None:
     gen = torch.Generator().manual_seed(1)
-    named = [(f"w{i}", torch.randn(1 << 18, generator=gen)) for i in range(3)]  # 1 MiB each
+    named = [(f"w{i}", torch.randn(1 << 18, generator=gen)) for i in range(5)]  # 1 MiB each
     slots = _CountingSlots(4 << 20)
     packer = BucketPacker(bucket_bytes=4 << 20, dtype=None, device=CPU, buffers=slots)
     assert packer.zero_copy_bytes == 1 << 20  # a quarter of 4 MiB
     seen = _stream(packer, named)
+    # A bucket's bytes of them under one announcement (one broadcast each), the rest, alone, as a flat bucket.
     assert [(names, last, zero) for names, last, zero, _, _ in seen] == [
-        (["w0"], False, True), (["w1"], False, True), (["w2"], True, True)]
+        (["w0", "w1", "w2", "w3"], False, True), (["w4"], True, True)]
+    assert [len(ptrs) for *_, ptrs, _ in seen] == [4, 1]
     assert slots.takes == [] and packer.stats.peak_buffer_bytes == 0
     # Small buckets never make small tensors zero-copy: an extra bucket costs more than their copy saves.
     assert BucketPacker(bucket_bytes=64 * KB, dtype=None, device=CPU).zero_copy_bytes == ZERO_COPY_MIN_BYTES
@@ -179,7 +181,8 @@ def test_a_stopped_stream_still_walks_the_exporter_with_a_zero_copy_bucket_pendi
     packer = BucketPacker(bucket_bytes=64 * KB, dtype=None, device=CPU, zero_copy_bytes=8 * KB)
     stream = packer.stream(source())
     first, last = next(stream)
-    assert first.zero_copy and not last and [m.name for m in first.metas] == ["w0"]
+    # Four fill a bucket; the fifth, pending, begins the next run.
+    assert first.zero_copy and not last and [m.name for m in first.metas] == ["w0", "w1", "w2", "w3"]
     stream.close()  # the push failed after its first bucket
     assert pulled == list(range(6))
 
@@ -299,9 +302,11 @@ class _RecordingClient(SGLangClient):
     """A real client that remembers the names of every bucket it announced."""
 
     announced: list[list[str]]
+    formats: list[str | None]
 
     async def update_weights_from_distributed(self, **kw: Any) -> Any:  # type: ignore[override]
         self.announced.append(list(kw["names"]))
+        self.formats.append(kw.get("load_format"))
         return await super().update_weights_from_distributed(**kw)
 
 
@@ -339,7 +344,7 @@ def test_a_push_sends_large_tensors_zero_copy_and_a_paused_engine_receives_them_
 
     async def scenario() -> dict[str, Any]:
         client = _RecordingClient(served.url, retry=NO_RETRY)
-        client.announced = []
+        client.announced, client.formats = [], []
         pusher = await WeightPusher.connect([client], master_address="127.0.0.1", backend="gloo", timeout_s=60,
                                             bucket_bytes=64 * KB, zero_copy_bytes=threshold)
         send = pusher.group.broadcast
@@ -360,7 +365,7 @@ def test_a_push_sends_large_tensors_zero_copy_and_a_paused_engine_receives_them_
             while (await client.get_load()).total("tokens_generated") < 30:
                 await asyncio.sleep(0.005)
             stats = await pusher.push(exporter(), 1)
-            first_takes = list(takes)
+            first_takes, first_broadcasts = list(takes), len(broadcasts)
             result = await running
             after = await client.generate(PROMPT, {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True})
             load = await client.get_load()
@@ -368,9 +373,10 @@ def test_a_push_sends_large_tensors_zero_copy_and_a_paused_engine_receives_them_
             # The failure case: the labelled (last, zero-copy) bucket of a second push fails after its receive.
             receive = served.engine.weights.receive_in_place
 
-            def failing(group: Any, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> Any:
-                got = receive(group, names, dtypes, shapes)
-                if names == [tail]:
+            def failing(group: Any, names: list[str], dtypes: list[str], shapes: list[list[int]], *,
+                        flat: bool = True) -> Any:
+                got = receive(group, names, dtypes, shapes, flat=flat)
+                if tail in names:
                     raise RuntimeError("injected: the transfer broke")
                 return got
 
@@ -379,8 +385,9 @@ def test_a_push_sends_large_tensors_zero_copy_and_a_paused_engine_receives_them_
                 await pusher.push(exporter(), 2)
             failed_load = await client.get_load()
             version_after_failure = await client.weight_version()
-            return {"stats": stats, "result": result, "after": after, "load": load, "takes": first_takes, "landed": landed,
-                    "announced": client.announced, "failed_load": failed_load,
+            return {"stats": stats, "result": result, "after": after, "load": load, "takes": first_takes,
+                    "broadcasts": first_broadcasts, "landed": landed,
+                    "announced": client.announced, "formats": client.formats, "failed_load": failed_load,
                     "version_after_failure": version_after_failure}
         finally:
             await pusher.close()
@@ -393,30 +400,39 @@ def test_a_push_sends_large_tensors_zero_copy_and_a_paused_engine_receives_them_
 
     stats, load = out["stats"], out["load"]
     first_push = out["announced"][: stats.buckets]
-    # Sender: the names on the wire in the exporter's order; every large tensor a bucket of its own, broadcast from
-    # the parameter's own memory; buffers taken only for the small ones.
+    # Sender: the names on the wire in the exporter's order; large tensors never share a bucket with small ones,
+    # consecutive large ones share one announcement (one broadcast each, from the parameter's own memory), and
+    # buffers are taken only for the small ones.
     assert [n for names in first_push for n in names] == [n for n, _ in weights]
-    assert all(names == [n] for names in first_push for n in names if n in big)
+    runs = [names for names in first_push if names[0] in big]
+    assert all(set(names) <= big for names in runs)
+    assert any(len(names) > 1 for names in runs), runs  # the q/o projections and the MLP come in runs
+    # A run of several goes on SGLang's per-tensor wire; every other bucket is one flat broadcast.
+    formats = out["formats"][: stats.buckets]
+    assert [f is None for f in formats] == [names in runs and len(names) > 1 for names in first_push]
+    assert len(first_push) < len(weights) - len(small) + sum(1 for names in first_push if names[0] in small)
+    pushed = broadcasts[: out["broadcasts"]]
     by_ptr = {t.data_ptr(): n for n, t in weights}
-    sent_zero_copy = {by_ptr[ptr] for ptr, size, _ in broadcasts[: stats.buckets] if by_ptr.get(ptr) in big
-                      and size == nbytes[by_ptr[ptr]]}
+    sent_zero_copy = {by_ptr[ptr] for ptr, size, _ in pushed if by_ptr.get(ptr) in big and size == nbytes[by_ptr[ptr]]}
     assert sent_zero_copy == big
     assert stats.zero_copy_bytes == sum(nbytes[n] for n in big)
     buckets_with_small = sum(1 for names in first_push if names[0] in small)
     assert len(out["takes"]) == buckets_with_small and max(out["takes"]) <= sum(nbytes[n] for n in small)
     # The packing thread stays at most one bucket ahead of the send, plus the tensor in hand: zero-copy buckets take
     # no buffer, so nothing else would stop it from gathering the whole model ahead.
-    bucket_of = [i for i, names in enumerate(first_push) for _ in names]
-    assert all(bucket_of[seen - 1] <= b + 2 for b, (_, _, seen) in enumerate(broadcasts[: stats.buckets]))
+    bucket_of = [i for i, names in enumerate(first_push) for _ in names]  # per tensor, the bucket it went in
+    sent_in = [i for i, names in enumerate(first_push) for _ in (names if names[0] in big else [0])]
+    assert len(sent_in) == len(pushed)  # per broadcast, its bucket
+    assert all(bucket_of[seen - 1] <= b + 2 for b, (_, _, seen) in zip(sent_in, pushed))
 
-    # Receiver: every weight the pushed one, bit for bit, in the same storage; every bucket of one tensor (each large
-    # one, and a small one that ended up alone between two) received in place, the pool used for the others only.
+    # Receiver: every weight the pushed one, bit for bit, in the same storage; every large tensor and every bucket of
+    # one tensor (a small one that ended up alone between two runs) received in place, the pool used for the others
+    # only.
     for name, sent in weights:
         assert torch.equal(out["landed"][name].view(torch.uint8), sent.view(torch.uint8)), name
         assert params[name].data_ptr() == pointers[name], name
     alone = {names[0] for names in first_push if len(names) == 1}
-    assert big <= alone
-    in_place = sum(nbytes[n] for n in alone)
+    in_place = sum(nbytes[n] for n in big | alone)
     loader = served.engine.weights
     assert loader.bytes_in_place == 2 * in_place  # both pushes, the failed one's last bucket too
     assert loader.bytes_buffered == 2 * (sum(nbytes.values()) - in_place)

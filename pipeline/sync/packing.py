@@ -12,11 +12,13 @@ back, which bounds rank 0's extra memory to about two buckets plus the tensor in
 gets a buffer of its own size, alone.
 
 **Zero-copy.** A large tensor that already is what the wire carries (the wire dtype, contiguous, on the group's
-device, at least ``zero_copy_bytes``) is not copied at all: it goes out as a bucket of its own whose flat bytes are a
-uint8 view of its own memory. It takes no buffer, and ``release`` is a no-op for it. The bucket being packed before it
-is closed and sent first, so the order on the wire stays the exporter's, and the wire format is unchanged (a bucket
-of one tensor is a normal flat bucket). The view aliases the tensor, so it is valid only while nothing writes the
-tensor: the streamed push (the next optimizer step waits for it) qualifies.
+device, at least ``zero_copy_bytes``) is not copied at all: it is broadcast from its own memory. It takes no buffer,
+and ``release`` is a no-op for it. The bucket being packed before it is closed and sent first, so the order on the
+wire stays the exporter's. Consecutive such tensors, up to a bucket's bytes, share one announcement on the per-tensor
+wire (one broadcast each: SGLang's plain ``update_weights_from_distributed``), so a model of large matrices pays one
+round trip per bucket, not one per tensor; a run of one is a normal flat bucket of one tensor. What is sent aliases
+the tensor, so it is valid only while nothing writes the tensor: the streamed push (the next optimizer step waits for
+it) qualifies.
 
 ``pack_all`` packs everything at once instead, and always copies: a snapshot of the weights that outlives the
 parameters changing (the trainer's overlapped push), so it must not alias them.
@@ -127,20 +129,29 @@ class BucketSlots:
 
 @dataclass
 class PackedBucket:
-    """One bucket ready for the wire: what is announced, and the flat bytes that follow the announcement."""
+    """One bucket ready for the wire: what is announced, and the bytes that follow the announcement (one flat uint8
+    tensor, or with ``parts`` one tensor per announced name)."""
 
     metas: list[TensorMeta]
     flat: torch.Tensor
     _release: Callable[[], None] | None = field(default=None, repr=False)
     zero_copy: bool = False
-    """``flat`` is a view of the tensor's own memory (one tensor, nothing copied), not a bucket buffer."""
+    """The bytes are the tensors' own memory (nothing copied), not a bucket buffer."""
+    parts: list[torch.Tensor] | None = None
+    """A run of zero-copy tensors sent under one announcement on the per-tensor wire, one broadcast each (``flat``
+    is then empty): several large tensors cannot share one flat broadcast without a copy, but need not each pay an
+    announcement's round trip either."""
 
     @property
     def nbytes(self) -> int:
+        if self.parts is not None:
+            return sum(int(t.numel()) * t.element_size() for t in self.parts)
         return int(self.flat.numel())
 
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """The named tensors, as views of the flat bytes."""
+        """The named tensors, as views of the flat bytes (or the parts themselves)."""
+        if self.parts is not None:
+            return [(m.name, t) for m, t in zip(self.metas, self.parts, strict=True)]
         return unpack(self.metas, self.flat)
 
     def release(self) -> None:
@@ -248,25 +259,29 @@ class BucketPacker:
         exporter is a collective every rank must finish)."""
         source = iter(named)
         current: _OpenBucket | None = None
-        # A zero-copy bucket waits here until the next tensor arrives: only then is it known not to be the last one,
-        # which must carry the version label.
-        ready: PackedBucket | None = None
+        # Consecutive zero-copy tensors, up to a bucket's bytes, go under one announcement. The run is sent when a
+        # tensor that does not join it arrives: only then is it known not to be the last bucket, which must carry
+        # the version label.
+        run: list[tuple[TensorMeta, torch.Tensor]] = []
         try:
             for name, tensor in source:
                 if stop is not None and stop.is_set():
                     break
                 meta = self.meta(name, tensor)
-                if ready is not None:
-                    sent, ready = ready, None
-                    yield sent, False
                 own = self._zero_copy(meta, tensor)
                 if own is not None:
                     if current is not None:  # sent before it: the wire keeps the exporter's order
                         closed, current = self._close(current), None
                         yield closed, False
-                    ready = own
+                    if run and sum(m.nbytes for m, _ in run) + meta.nbytes > self.bucket_bytes:
+                        sent, run = self._close_run(run), []
+                        yield sent, False
+                    run.append((meta, own))
                     self.stats.tensors += 1
                     continue
+                if run:
+                    sent, run = self._close_run(run), []
+                    yield sent, False
                 if current is not None and not current.fits(meta.nbytes):
                     # Dropped before the yield: from here the bucket's buffer is the consumer's to give back.
                     closed, current = self._close(current), None
@@ -279,9 +294,9 @@ class BucketPacker:
                 current.add(meta, tensor)
                 self.stats.tensors += 1
             else:
-                # At most one of the two is set: a zero-copy bucket closes the open one, the next tensor sends it.
-                last = ready if ready is not None else self._close(current) if current is not None else None
-                ready = current = None
+                # At most one of the two is set: a zero-copy tensor closes the open bucket, a copied one sends the run.
+                last = self._close_run(run) if run else self._close(current) if current is not None else None
+                run, current = [], None
                 if last is not None:
                     yield last, True
         finally:
@@ -300,21 +315,30 @@ class BucketPacker:
             bucket._release = None  # a snapshot's buffers live as long as it does
         return buckets
 
-    def _zero_copy(self, meta: TensorMeta, tensor: torch.Tensor) -> PackedBucket | None:
-        """The tensor as a bucket of its own memory, or None where it must be copied: too small to pay for its own
-        bucket, another dtype than the wire's (it must be cast), not contiguous, or not where the group sends from."""
+    def _zero_copy(self, meta: TensorMeta, tensor: torch.Tensor) -> torch.Tensor | None:
+        """The tensor itself, to be sent from its own memory, or None where it must be copied: too small to pay for
+        its own broadcast, another dtype than the wire's (it must be cast), not contiguous, or not where the group
+        sends from."""
         if self.zero_copy_bytes is None or meta.nbytes < self.zero_copy_bytes:
             return None
         if str(tensor.dtype).removeprefix("torch.") != meta.dtype or not tensor.is_contiguous():
             return None
         if tensor.device != self.device:
             return None
-        flat = tensor.detach().reshape(-1).view(torch.uint8)
-        self.stats.buckets += 1
-        self.stats.bytes += meta.nbytes
         self.stats.zero_copy_tensors += 1
         self.stats.zero_copy_bytes += meta.nbytes
-        return PackedBucket([meta], flat, None, zero_copy=True)
+        return tensor.detach()
+
+    def _close_run(self, run: list[tuple[TensorMeta, torch.Tensor]]) -> PackedBucket:
+        """A run of zero-copy tensors as one bucket: alone, a normal flat bucket of its own bytes (the wire format
+        every engine knows); several, the per-tensor wire under one announcement."""
+        self.stats.buckets += 1
+        self.stats.bytes += sum(m.nbytes for m, _ in run)
+        if len(run) == 1:
+            meta, tensor = run[0]
+            return PackedBucket([meta], tensor.reshape(-1).view(torch.uint8), None, zero_copy=True)
+        empty = torch.empty(0, dtype=torch.uint8, device=self.device)
+        return PackedBucket([m for m, _ in run], empty, None, zero_copy=True, parts=[t for _, t in run])
 
     def _close(self, bucket: _OpenBucket) -> PackedBucket:
         buf = bucket.buf

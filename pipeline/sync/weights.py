@@ -530,7 +530,9 @@ class WeightPusher:
 
     async def _push_bucket(self, bucket: PackedBucket, weight_version: str | None, flush_cache: bool) -> None:
         metas = bucket.metas
-        extra: dict[str, Any] = {"load_format": FLAT_FORMAT} if self.flat else {}
+        # A run of zero-copy tensors goes on the per-tensor wire whatever the pusher's format: one broadcast each,
+        # from their own memory.
+        extra: dict[str, Any] = {"load_format": FLAT_FORMAT} if self.flat and bucket.parts is None else {}
         posts: dict[asyncio.Future[Any], WeightUpdateEngine] = {
             asyncio.ensure_future(
                 engine.update_weights_from_distributed(
@@ -570,7 +572,7 @@ class WeightPusher:
         announced = sum(m.nbytes for m in bucket.metas)
         if bucket.nbytes != announced:
             raise SyncError(f"a bucket of {bucket.nbytes} bytes was announced as {announced}; nothing was sent")
-        if self.flat:
+        if self.flat and bucket.parts is None:
             self.group.broadcast(bucket.flat, src=0)
             return
         for _, tensor in bucket.tensors():

@@ -138,35 +138,49 @@ class WeightLoader:
             self.bytes_buffered += total
         return tensors
 
-    def in_place_target(self, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> torch.Tensor | None:
-        """The model tensor a flat bucket can be received straight into, or None: the bucket must announce exactly one
-        tensor, and its target must be contiguous and of exactly the announced dtype and shape (anything else needs a
-        cast or a reshape, which ``apply`` does from a buffer)."""
-        if len(names) != 1 or len(dtypes) != 1 or len(shapes) != 1:
+    def in_place_targets(self, names: list[str], dtypes: list[str], shapes: list[list[int]], *,
+                         flat: bool) -> list[torch.Tensor] | None:
+        """The model tensors an announcement can be received straight into, or None. Every announced tensor needs a
+        target that is contiguous and of exactly the announced dtype and shape (anything else needs a cast or a
+        reshape, which ``apply`` does from a buffer). A flat bucket must announce one tensor: its bytes are one
+        broadcast, which lands in one tensor's memory. The per-tensor wire may announce several, one broadcast each,
+        which is how the pusher sends a run of large tensors from their own memory under one announcement."""
+        if not names or not len(names) == len(dtypes) == len(shapes) or (flat and len(names) != 1):
             return None
-        target = self._targets.get(names[0])
-        if target is None or names[0] not in self._expected or dtypes[0] != dtype_name(target.dtype):
-            return None
-        if tuple(target.shape) != tuple(int(d) for d in shapes[0]) or not target.is_contiguous():
-            return None
-        return target if target.numel() > 0 else None
+        targets = []
+        for name, dtype, shape in zip(names, dtypes, shapes):
+            target = self._targets.get(name)
+            if target is None or name not in self._expected or dtype != dtype_name(target.dtype):
+                return None
+            if tuple(target.shape) != tuple(int(d) for d in shape) or not target.is_contiguous():
+                return None
+            if target.numel() == 0:
+                return None
+            targets.append(target)
+        return targets
 
     def receive_in_place(
-        self, group: WeightGroup, names: list[str], dtypes: list[str], shapes: list[list[int]]
+        self, group: WeightGroup, names: list[str], dtypes: list[str], shapes: list[list[int]], *, flat: bool = True
     ) -> list[tuple[str, torch.Tensor]]:
-        """Receive a one-tensor flat bucket straight into its target's memory (``in_place_target`` must give one);
-        returns ``(name, target)``, which needs no ``apply``. The caller keeps forward passes off the model until this
-        returns; if the transfer fails, that tensor is undefined until a later update writes it."""
+        """Receive an announcement straight into its targets' memory (``in_place_targets`` must give them): a flat
+        bucket of one tensor, or the per-tensor wire's broadcasts, each into its own tensor. Returns
+        ``(name, target)`` pairs, which need no ``apply``. The caller keeps forward passes off the model until this
+        returns; if the transfer fails, the tensors not yet received keep their old values and the one in flight is
+        undefined until a later update writes it."""
         self.check(names, dtypes, shapes)
-        target = self.in_place_target(names, dtypes, shapes)
-        if target is None:
-            raise EngineError(f"{names} cannot be received in place: one tensor whose target is contiguous and of the "
-                              "announced dtype and shape is needed")
-        # The uint8 view is the parameter's own memory: gloo writes the broadcast there, nothing in between.
-        receive_flat(group, names, dtypes, shapes, target.view(-1).view(torch.uint8))
+        targets = self.in_place_targets(names, dtypes, shapes, flat=flat)
+        if targets is None:
+            raise EngineError(f"{names} cannot be received in place: every tensor needs a target that is contiguous "
+                              "and of the announced dtype and shape, and a flat bucket must hold one tensor")
+        if flat:
+            # The uint8 view is the parameter's own memory: gloo writes the broadcast there, nothing in between.
+            receive_flat(group, names, dtypes, shapes, targets[0].view(-1).view(torch.uint8))
+        else:
+            for target in targets:  # the announced order is the order of the sender's broadcasts
+                group.broadcast(target, src=0)
         with self._pool_lock:
-            self.bytes_in_place += target.numel() * target.element_size()
-        return [(names[0], target)]
+            self.bytes_in_place += sum(t.numel() * t.element_size() for t in targets)
+        return list(zip(names, targets))
 
     def recycle(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """The buffer behind tensors from ``receive_flat`` is free again (no-op for others)."""

@@ -8,9 +8,10 @@ Endpoints (bodies and answers in SGLang's field names):
   ``tp_group.py``) and answers once joined; ``POST /destroy_weights_update_group``.
 - ``POST /begin_weight_update``, ``POST /update_weights_from_distributed``, ``POST /end_weight_update``; the middle
   one answers 400 outside a begin/end window, as SGLang does. While generation is paused (the pusher pauses in
-  place for the push; ``--hold-until-update`` holds until the first one), a flat bucket of one tensor that fits its
-  parameter exactly is received straight into it (``WeightLoader.receive_in_place``, TP 1 only); other buckets are
-  received into a buffer and copied in between forward passes.
+  place for the push; ``--hold-until-update`` holds until the first one), a flat bucket of one tensor, or a
+  per-tensor announcement, whose tensors fit their parameters exactly is received straight into them
+  (``WeightLoader.receive_in_place``, TP 1 only); other buckets are received into a buffer and copied in between
+  forward passes.
 - ``POST /update_weights_from_disk`` ``{model_path, weight_version, abort_all_requests (default false)}``: load a
   whole HF folder's safetensors (SGLang's protocol; the evaluator loads weight snapshots this way). The folder must
   fit the served architecture and cover every parameter; otherwise the old weights are kept. ``model_path`` in
@@ -32,6 +33,7 @@ scheduler's, never a handler class's, so both classes see one state.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from typing import TYPE_CHECKING
 
@@ -199,9 +201,10 @@ class WeightRoutes:
                 try:
                     tensors = await asyncio.to_thread(self._receive_in_place, group, body)
                 except (SluiceError, RuntimeError) as exc:
-                    return reply(False, f"receiving {body.names[0]} in place failed: {exc}. That tensor is undefined "
-                                        "until a whole push lands; weight_version stays "
-                                        f"{engine.generator.version}", status=500)
+                    shown = body.names[0] if len(body.names) == 1 else f"{len(body.names)} tensors from {body.names[0]}"
+                    return reply(False, f"receiving {shown} in place failed: {exc}. What it had not received keeps "
+                                        "the old values and the tensor in flight is undefined until a whole push "
+                                        f"lands; weight_version stays {engine.generator.version}", status=500)
                 loaded: list[tuple[str, torch.Tensor]] = []  # already in the model: the load only moves the label
             else:
                 try:
@@ -225,16 +228,17 @@ class WeightRoutes:
         return reply(True, f"received {len(tensors)} tensors; they load before /end_weight_update answers")
 
     def _in_place(self, body: UpdateFromDistributedRequest, group: TpWeightGroup) -> bool:
-        """Whether this bucket is received straight into its parameter: a flat bucket of one tensor that fits it
-        exactly, while generation is paused (in place for the push, or held until the first update), so no token
-        waits on the hold the receive puts on forward passes. TP 1 only: with more ranks, the other ranks' bytes are
-        compared with rank 0's before anything is loaded, and an update whose ranks disagree is refused with the
-        model untouched, which rank 0 writing into the model as it receives could no longer promise. An update that
-        aborts requests first keeps the buffered path too, whose load aborts and then writes."""
+        """Whether this bucket is received straight into its parameters: a flat bucket of one tensor, or the
+        per-tensor wire's tensors (the pusher's run of large tensors sent from their own memory), each fitting its
+        parameter exactly, while generation is paused (in place for the push, or held until the first update), so
+        no token waits on the hold the receive puts on forward passes. TP 1 only: with more ranks, the other ranks'
+        bytes are compared with rank 0's before anything is loaded, and an update whose ranks disagree is refused
+        with the model untouched, which rank 0 writing into the model as it receives could no longer promise. An
+        update that aborts requests first keeps the buffered path too, whose load aborts and then writes."""
         engine = self.engine
-        return (body.load_format == FLAT_FORMAT and len(group.members) == 1 and not body.abort_all_requests
-                and engine.scheduler.paused
-                and engine.weights.in_place_target(body.names, body.dtypes, body.shapes) is not None)
+        flat = body.load_format == FLAT_FORMAT
+        return (len(group.members) == 1 and not body.abort_all_requests and engine.scheduler.paused
+                and engine.weights.in_place_targets(body.names, body.dtypes, body.shapes, flat=flat) is not None)
 
     def _receive_in_place(self, group: TpWeightGroup, body: UpdateFromDistributedRequest
                           ) -> list[tuple[str, torch.Tensor]]:
@@ -242,7 +246,9 @@ class WeightRoutes:
         for a pass already running when the pause came (it finishes under the old weights) and keeps new ones off
         even if generation is continued meanwhile."""
         with self.engine.scheduler.hold_passes():
-            return group.receive(self.engine.weights.receive_in_place, body.names, body.dtypes, body.shapes)
+            flat = body.load_format == FLAT_FORMAT
+            return group.receive(functools.partial(self.engine.weights.receive_in_place, flat=flat), body.names,
+                                 body.dtypes, body.shapes)
 
     def _load(self, tensors: list[tuple[str, torch.Tensor]], body: UpdateFromDistributedRequest) -> None:
         """Runs in the scheduler thread, between two forward passes."""
