@@ -440,6 +440,33 @@ def test_private_engine_dies_with_a_killed_evaluator(model_dir: Path, tmp_path: 
             engine.kill()  # the engine this test's evaluator started, left behind: the failure case
 
 
+def test_private_engine_binds_a_port_of_its_own_choosing(model_dir: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A port probed free and handed to the engine could be taken by another of the run's processes before the
+    engine binds it; here every probe answers a port already taken, which the engine must never be given."""
+    import socket
+
+    import httpx
+
+    from pipeline.consumers.heldout import PrivateEngine
+    from pipeline.queue import redis_server
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    monkeypatch.setattr(redis_server, "free_port", lambda: taken.getsockname()[1])
+    engine = PrivateEngine.start(model_dir, tmp_path / "logs" / "heldout-engine.log")
+    try:
+        port = int(engine.url.rsplit(":", 1)[1])
+        assert port != taken.getsockname()[1]
+        assert httpx.get(f"{engine.url}/health", timeout=5).status_code == 200
+        assert int((tmp_path / "logs" / ".heldout-engine.port").read_text()) == port
+    finally:
+        engine.stop()
+        taken.close()
+    assert engine.proc.poll() is not None
+
+
 # --------------------------------------------------------------------------------------------------- the CLI
 def _sluice(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True,

@@ -520,25 +520,28 @@ class PrivateEngine:
               seed: int = 0, timeout_s: float = 120.0, extra_args: Sequence[str] = ()) -> PrivateEngine:
         import httpx
 
-        from pipeline.queue.redis_server import free_port
-
-        port = free_port()
         log_path.parent.mkdir(parents=True, exist_ok=True)
+        # The engine binds a port of the OS's choosing and writes it here: a port probed free and handed over could
+        # be taken by another process of the run before the engine binds it.
+        port_file = log_path.with_name(f".{log_path.stem}.port")
+        port_file.unlink(missing_ok=True)
         out = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
         cmd = [sys.executable, "-m", "pipeline.producers.cpu_engine", str(model_dir), "--host", "127.0.0.1",
-               "--port", str(port), "--dtype", dtype, "--max-batch", str(max_batch), "--num-threads", "1",
-               "--seed", str(seed), "--log-level", "warning", *extra_args]
+               "--port", "0", "--port-file", str(port_file), "--dtype", dtype, "--max-batch", str(max_batch),
+               "--num-threads", "1", "--seed", str(seed), "--log-level", "warning", *extra_args]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                 preexec_fn=_die_with_parent)
-        engine = cls(proc, f"http://127.0.0.1:{port}", log_path, out)
+        engine = cls(proc, "", log_path, out)
         deadline = time.monotonic() + timeout_s
         try:
             while True:
                 if proc.poll() is not None:
                     raise EngineError(f"the evaluation engine exited with code {proc.returncode}; see {log_path}")
+                if not engine.url and port_file.exists():
+                    engine.url = f"http://127.0.0.1:{int(port_file.read_text())}"
                 try:
-                    if httpx.get(f"{engine.url}/health", timeout=2.0).status_code == 200:
+                    if engine.url and httpx.get(f"{engine.url}/health", timeout=2.0).status_code == 200:
                         return engine
                 except httpx.HTTPError:
                     pass
