@@ -14,6 +14,8 @@ SURFACE = {
                          "--routing", "--samples", "--topk"]),
     "bench faults": ([], ["--baseline", "--checkpoint-every", "--json", "--kinds", "--no-baseline", "--out", "--recipe",
                           "--resumes", "--seed", "--steps", "--timeout-s", "--trials"]),  # issue 11 asks for it
+    # Issue 11's 20 trials per kind take several sessions: their invocations are folded into one record.
+    "bench faults-merge": (["runs"], ["--into"]),
     "bench pipeline": ([], ["--json", "--max-lag", "--out", "--recipe", "--skip-steps", "--steps"]),
     "bench rollout": ([], ["--capture-reference", "--concurrency", "--group-size", "--groups", "--json", "--layers",
                            "--max-new-tokens", "--no-capture-reference", "--num-experts", "--rounds", "--temperature",
