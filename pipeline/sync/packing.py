@@ -325,15 +325,17 @@ class BucketPacker:
             return None
         if tensor.device != self.device:
             return None
-        self.stats.zero_copy_tensors += 1
-        self.stats.zero_copy_bytes += meta.nbytes
         return tensor.detach()
 
     def _close_run(self, run: list[tuple[TensorMeta, torch.Tensor]]) -> PackedBucket:
         """A run of zero-copy tensors as one bucket: alone, a normal flat bucket of its own bytes (the wire format
         every engine knows); several, the per-tensor wire under one announcement."""
+        nbytes = sum(m.nbytes for m, _ in run)
+        # Counted when the bucket is made, as a packed bucket is: a run a stopped stream never sent is not counted.
         self.stats.buckets += 1
-        self.stats.bytes += sum(m.nbytes for m, _ in run)
+        self.stats.bytes += nbytes
+        self.stats.zero_copy_tensors += len(run)
+        self.stats.zero_copy_bytes += nbytes
         if len(run) == 1:
             meta, tensor = run[0]
             return PackedBucket([meta], tensor.reshape(-1).view(torch.uint8), None, zero_copy=True)
