@@ -13,12 +13,14 @@ gets a buffer of its own size, alone.
 
 **Zero-copy.** A large tensor that already is what the wire carries (the wire dtype, contiguous, on the group's
 device, at least ``zero_copy_bytes``) is not copied at all: it is broadcast from its own memory. It takes no buffer,
-and ``release`` is a no-op for it. The bucket being packed before it is closed and sent first, so the order on the
-wire stays the exporter's. Consecutive such tensors, up to a bucket's bytes, share one announcement on the per-tensor
-wire (one broadcast each: SGLang's plain ``update_weights_from_distributed``), so a model of large matrices pays one
-round trip per bucket, not one per tensor; a run of one is a normal flat bucket of one tensor. What is sent aliases
-the tensor, so it is valid only while nothing writes the tensor: the streamed push (the next optimizer step waits for
-it) qualifies.
+and ``release`` is a no-op for it. Such tensors, up to a bucket's bytes, share one announcement on the per-tensor wire
+(one broadcast each: SGLang's plain ``update_weights_from_distributed``), while the tensors that are copied between
+them keep filling the open flat bucket: the two kinds are gathered apart, so a model whose layers alternate small and
+large tensors pays one round trip per bucket of each kind, not one per switch between them. Every announcement names
+its tensors, so the order on the wire need not be the exporter's. A run of one is a normal flat bucket of one tensor.
+What is sent aliases the tensors, so it is valid only while nothing writes them: the streamed push (the next
+optimizer step waits for it) qualifies. An exporter that yields fresh tensors (gathered across ranks) keeps at most a
+run's bytes of them alive a while longer.
 
 ``pack_all`` packs everything at once instead, and always copies: a snapshot of the weights that outlives the
 parameters changing (the trainer's overlapped push), so it must not alias them.
@@ -253,16 +255,18 @@ class BucketPacker:
 
     def stream(self, named: Iterable[tuple[str, torch.Tensor]],
                stop: threading.Event | None = None) -> Iterator[tuple[PackedBucket, bool]]:
-        """``(bucket, is_last)`` one at a time, packed as the tensors arrive, in the exporter's order. Each bucket must
-        be ``release``d once sent; the next one waits for a free buffer. A zero-copy bucket aliases its tensor until it
-        was sent. The source is always exhausted, even when the consumer stops early or ``stop`` is set (a trainer's
-        exporter is a collective every rank must finish)."""
+        """``(bucket, is_last)`` one at a time, packed as the tensors arrive (copied ones in the exporter's order,
+        zero-copy ones gathered apart). Each bucket must be ``release``d once sent; the next one waits for a free
+        buffer. A zero-copy bucket aliases its tensors until it was sent. The source is always exhausted, even when
+        the consumer stops early or ``stop`` is set (a trainer's exporter is a collective every rank must finish)."""
         source = iter(named)
         current: _OpenBucket | None = None
-        # Consecutive zero-copy tensors, up to a bucket's bytes, go under one announcement. The run is sent when a
-        # tensor that does not join it arrives: only then is it known not to be the last bucket, which must carry
-        # the version label.
+        # Zero-copy tensors, up to a bucket's bytes, go under one announcement, and the copied ones fill the open flat
+        # bucket; neither closes the other. A run aliases memory the exporter already holds, so keeping it open across
+        # small tensors costs no buffer, and every announcement saved is a round trip with the wire idle. Each is
+        # sent when full; at the end, whichever goes last carries the version label.
         run: list[tuple[TensorMeta, torch.Tensor]] = []
+        run_bytes = 0
         try:
             for name, tensor in source:
                 if stop is not None and stop.is_set():
@@ -270,18 +274,13 @@ class BucketPacker:
                 meta = self.meta(name, tensor)
                 own = self._zero_copy(meta, tensor)
                 if own is not None:
-                    if current is not None:  # sent before it: the wire keeps the exporter's order
-                        closed, current = self._close(current), None
-                        yield closed, False
-                    if run and sum(m.nbytes for m, _ in run) + meta.nbytes > self.bucket_bytes:
-                        sent, run = self._close_run(run), []
+                    if run and run_bytes + meta.nbytes > self.bucket_bytes:
+                        sent, run, run_bytes = self._close_run(run), [], 0
                         yield sent, False
                     run.append((meta, own))
+                    run_bytes += meta.nbytes
                     self.stats.tensors += 1
                     continue
-                if run:
-                    sent, run = self._close_run(run), []
-                    yield sent, False
                 if current is not None and not current.fits(meta.nbytes):
                     # Dropped before the yield: from here the bucket's buffer is the consumer's to give back.
                     closed, current = self._close(current), None
@@ -294,11 +293,13 @@ class BucketPacker:
                 current.add(meta, tensor)
                 self.stats.tensors += 1
             else:
-                # At most one of the two is set: a zero-copy tensor closes the open bucket, a copied one sends the run.
-                last = self._close_run(run) if run else self._close(current) if current is not None else None
-                run, current = [], None
-                if last is not None:
-                    yield last, True
+                tail = [self._close(current)] if current is not None else []
+                current = None
+                if run:
+                    tail.append(self._close_run(run))
+                    run = []
+                for i, bucket in enumerate(tail):
+                    yield bucket, i == len(tail) - 1
         finally:
             if current is not None:
                 self.slots.give_back(current.buf)
