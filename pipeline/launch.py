@@ -207,29 +207,41 @@ def start_engines(cfg: SluiceConfig, sup: Supervisor, model_dir: Path, run_dir: 
     ``hold``: they serve nothing until the trainer's first push (a resumed run's trainer pushes its weights at once;
     until then the engines hold only the starting model's). A restarted engine always holds.
     """
+    return launch_engines(cfg, sup, model_dir, run_dir, pause, hold=hold)()
+
+
+def launch_engines(cfg: SluiceConfig, sup: Supervisor, model_dir: Path, run_dir: Path,
+                   pause: Callable[[float], None] = time.sleep, *, hold: bool = False) -> Callable[[], list[str]]:
+    """``start_engines`` in two halves: the engines are set going now, and the returned call waits until they run
+    and answer, and gives their URLs. Other processes start meanwhile."""
     if cfg.engine.type == "sglang" and not cfg.engine.launch:
-        wait_healthy(list(cfg.engine.urls), cfg.engine.startup_timeout_s, pause)
-        return list(cfg.engine.urls)
+        urls = list(cfg.engine.urls)
+        return lambda: (wait_healthy(urls, cfg.engine.startup_timeout_s, pause), urls)[1]
     managed = cfg.engine.type == "sglang"
     specs = [(_sglang_spec if managed else _cpu_engine_spec)(cfg, i, model_dir, run_dir, hold)
              for i in range(cfg.engine.count)]
-    infos = sup.start(specs, stop_last=True)
-    urls = [_url(info) for info in infos]
-    for i, info in enumerate(infos):
-        child = sup.children[f"engine-{i}"]
-        # A restart binds the port it had, wherever it lands: on the same node its URL then stays what producers and
-        # the trainer know. Only on another node (its node was lost) does the URL change.
-        # And it serves nothing before the trainer's next push has re-synced it.
-        # (An SGLang server has no such hold: a restarted one serves its starting weights, labelled version 0,
-        # until the push re-syncs it, and the staleness policy drops what it makes meanwhile.)
-        cmd = [str(info["port"]) if a == "0" and child.process.spec.cmd[j - 1] == "--port" else a
-               for j, a in enumerate(child.process.spec.cmd)]
-        if not managed and "--hold-until-update" not in cmd:
-            cmd.append("--hold-until-update")
-        child.process.spec = dataclasses.replace(child.process.spec, cmd=cmd)
-        child.on_restart = lambda new, i=i: _engine_restarted(sup, run_dir, i, _url(new))
-    wait_healthy(urls, cfg.engine.startup_timeout_s, pause)
-    return urls
+    pending = sup.launch(specs, stop_last=True)
+
+    def finish() -> list[str]:
+        infos = pending.wait()
+        urls = [_url(info) for info in infos]
+        for i, info in enumerate(infos):
+            child = sup.children[f"engine-{i}"]
+            # A restart binds the port it had, wherever it lands: on the same node its URL then stays what producers
+            # and the trainer know. Only on another node (its node was lost) does the URL change.
+            # And it serves nothing before the trainer's next push has re-synced it.
+            # (An SGLang server has no such hold: a restarted one serves its starting weights, labelled version 0,
+            # until the push re-syncs it, and the staleness policy drops what it makes meanwhile.)
+            cmd = [str(info["port"]) if a == "0" and child.process.spec.cmd[j - 1] == "--port" else a
+                   for j, a in enumerate(child.process.spec.cmd)]
+            if not managed and "--hold-until-update" not in cmd:
+                cmd.append("--hold-until-update")
+            child.process.spec = dataclasses.replace(child.process.spec, cmd=cmd)
+            child.on_restart = lambda new, i=i: _engine_restarted(sup, run_dir, i, _url(new))
+        wait_healthy(urls, cfg.engine.startup_timeout_s, pause)
+        return urls
+
+    return finish
 
 
 def _cpu_engine_spec(cfg: SluiceConfig, i: int, model_dir: Path, run_dir: Path, hold: bool) -> ProcessSpec:
@@ -416,25 +428,33 @@ def _start_children(cfg: SluiceConfig, sup: Supervisor, handle: RunHandle, model
 
     placement = trainer_placement(cfg)
     resuming = latest_checkpoint(run_dir / "checkpoints") is not None or handle.queue.policy_version() > 0
-    urls = start_engines(cfg, sup, model_dir, run_dir, pause, hold=resuming)
-    (run_dir / "engines.json").write_text(json.dumps(urls))
-    # Weight push (issue 9): engines sluice did not start may hold another run's weights or SGLang's "default" label;
-    # settle that before any producer samples from them (pipeline.sync.lifecycle).
-    from pipeline.producers.sglang_client import adopt_engine_urls
-
-    adopt_engine_urls(urls, version=handle.queue.policy_version(), fresh=not resuming,
-                      model_path=str(model_dir.resolve()))
-    pause(0)
-    sup.start([_spec(cfg, "producer", f"producer-{i}", ["producer", str(run_dir), f"producer-{i}"])
-               for i in range(cfg.producers)])
+    # The trainer ranks build their model while the engines load theirs: rank 0 waits for engines.json only when it
+    # first needs the engines, and a file an earlier launch left must not be taken for this one's.
+    engines_file = run_dir / "engines.json"
+    engines_file.unlink(missing_ok=True)
+    engines_up = launch_engines(cfg, sup, model_dir, run_dir, pause, hold=resuming)
     start_trainers(cfg, sup, run_dir, placement)
     others = []
     if cfg.eval.enabled or (cfg.eval.heldout.enabled and cfg.eval.heldout.live):
         others.append(_spec(cfg, "evaluator", "evaluator", ["evaluator", str(run_dir)]))
     if cfg.queue.archive.enabled:
         others.append(_spec(cfg, "archiver", "archiver", ["archiver", str(run_dir)]))
-    if others:
-        sup.start(others)
+    others_up = sup.launch(others) if others else None  # they need Redis only
+    urls = engines_up()
+    # Weight push (issue 9): engines sluice did not start may hold another run's weights or SGLang's "default" label;
+    # settle that before any producer samples from them, or the trainer pushes to them (pipeline.sync.lifecycle).
+    from pipeline.producers.sglang_client import adopt_engine_urls
+
+    adopt_engine_urls(urls, version=handle.queue.policy_version(), fresh=not resuming,
+                      model_path=str(model_dir.resolve()))
+    partial = engines_file.with_suffix(".tmp")
+    partial.write_text(json.dumps(urls))
+    partial.rename(engines_file)  # whole or absent: the trainer's rank 0 reads it the moment it appears
+    pause(0)
+    sup.start([_spec(cfg, "producer", f"producer-{i}", ["producer", str(run_dir), f"producer-{i}"])
+               for i in range(cfg.producers)])
+    if others_up is not None:
+        others_up.wait()
     return placement
 
 

@@ -14,9 +14,10 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, SluiceError
 from pipeline.launch import CONFIG_EXIT_CODE, REFUSED, base_model_folder, load_run_config, model_folder
 
 log = logging.getLogger("sluice")
@@ -71,12 +72,32 @@ def trainer_main(run_dir: Path) -> None:
     bind_rank0_store()  # before the heavy imports, so that the other ranks can start joining at once
     cfg = load_run_config(run_dir)
     rank = int(os.environ.get("RANK", "0"))
-    urls = json.loads((run_dir / "engines.json").read_text()) if rank == 0 else []
+
+    def engines() -> list[SGLangClient]:
+        if rank != 0:
+            return []
+        urls = wait_for_engines(run_dir, cfg.engine.startup_timeout_s + 120)
+        return [SGLangClient(u) for u in urls]
+
     try:
-        run_trainer(run_dir, cfg, model_folder(cfg), engines=[SGLangClient(u) for u in urls])
+        run_trainer(run_dir, cfg, model_folder(cfg), engines=engines)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def wait_for_engines(run_dir: Path, timeout_s: float, poll_s: float = 0.2) -> list[str]:
+    """The engines' URLs from ``RUN_DIR/engines.json``, which the launcher writes once they answer and were adopted
+    (the trainer starts while they load)."""
+    path = run_dir / "engines.json"
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise SluiceError(f"{path} did not appear within {timeout_s:.0f} s: the launcher writes it once the "
+                              "engines answer; see the engines' logs in RUN_DIR/logs/")
+        time.sleep(poll_s)
+    urls = json.loads(path.read_text())
+    return [str(u) for u in urls]
 
 
 def evaluator_main(run_dir: Path) -> None:

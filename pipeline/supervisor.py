@@ -52,6 +52,27 @@ class Supervised:
 
 
 @dataclass
+class PendingStart:
+    """Processes a ``Supervisor.launch`` set going; ``wait`` for them once something needs them."""
+
+    supervisor: Supervisor
+    procs: list[HostedProcess]
+    refs: list[Any]
+
+    def wait(self) -> list[dict[str, Any]]:
+        """Each one's host info (node address, port) once all run."""
+        import ray
+
+        try:
+            infos = ray.get(self.refs, timeout=self.supervisor.start_timeout_s + 60)
+        except Exception as e:
+            raise SluiceError(f"could not start {', '.join(p.spec.name for p in self.procs)}: {_reason(e)}") from None
+        for proc, info in zip(self.procs, infos):
+            self.supervisor._record(proc, proc.started(info))
+        return list(infos)
+
+
+@dataclass
 class Supervisor:
     budget: Callable[[], RestartBudget] = RestartBudget
     start_timeout_s: float = 300.0
@@ -63,22 +84,19 @@ class Supervisor:
     def start(self, specs: Sequence[ProcessSpec], *, restartable: bool = True, stop_last: bool = False,
               scheduling: Sequence[Any] | None = None) -> list[dict[str, Any]]:
         """Start these processes at once; returns each one's host info (node address, port) once all run."""
-        import ray
+        return self.launch(specs, restartable=restartable, stop_last=stop_last, scheduling=scheduling).wait()
 
+    def launch(self, specs: Sequence[ProcessSpec], *, restartable: bool = True, stop_last: bool = False,
+               scheduling: Sequence[Any] | None = None) -> PendingStart:
+        """Start these processes at once without waiting for them: other starts can go on meanwhile. They are
+        supervised (and stopped by ``stop_all``) from here on; ``wait`` gives their host info."""
         procs = [HostedProcess(spec, scheduling=None if scheduling is None else scheduling[i], budget=self.budget())
                  for i, spec in enumerate(specs)]
         for proc in procs:
             if proc.spec.name in self.children:
                 raise SluiceError(f"a process named {proc.spec.name!r} is already supervised")
             self.children[proc.spec.name] = Supervised(proc, restartable=restartable, stop_last=stop_last)
-        refs = [proc.launch(self.start_timeout_s) for proc in procs]
-        try:
-            infos = ray.get(refs, timeout=self.start_timeout_s + 60)
-        except Exception as e:
-            raise SluiceError(f"could not start {', '.join(p.spec.name for p in procs)}: {_reason(e)}") from None
-        for proc, info in zip(procs, infos):
-            self._record(proc, proc.started(info))
-        return infos
+        return PendingStart(self, procs, [proc.launch(self.start_timeout_s) for proc in procs])
 
     def exit_code(self, name: str) -> int | None:
         """None while ``name`` runs; its exit code once it exited (137 when its host was lost)."""

@@ -89,6 +89,9 @@ def test_sluice_run_survives_kill_9_of_trainer_and_producer(tmp_path: Path) -> N
         assert eval_lines and "reward" in eval_lines[-1]
     finally:
         handle.close(stop_server=True)
+    # The trainer ranks start while the engines load: rank 0 was running before the engines answered.
+    placed = [json.loads(line)["name"] for line in (run_dir / "logs" / "placements.jsonl").read_text().splitlines()]
+    assert placed.index("trainer-0") < placed.index("engine-0") < placed.index("producer-0"), placed
     # Nothing of the run is left behind.
     assert not [p for p in psutil.process_iter(["cmdline"]) if str(run_dir) in " ".join(p.info["cmdline"] or [])]
     assert len(started) > 5

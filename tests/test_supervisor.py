@@ -4,11 +4,13 @@ Ray instance and every process with it."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -162,3 +164,25 @@ def test_a_launcher_killed_with_sigkill_takes_its_ray_instance_and_processes_wit
             launcher.kill()
 
 
+
+
+def test_the_trainer_waits_for_the_engines_file_and_takes_it_whole_once_it_appears(tmp_path: Path) -> None:
+    from pipeline.processes import wait_for_engines
+
+    urls = ["http://10.0.0.1:4000", "http://10.0.0.2:4001"]
+
+    def publish() -> None:
+        time.sleep(0.5)
+        partial = tmp_path / "engines.tmp"
+        partial.write_text(json.dumps(urls))
+        partial.rename(tmp_path / "engines.json")
+
+    writer = threading.Thread(target=publish)
+    writer.start()
+    start = time.monotonic()
+    assert wait_for_engines(tmp_path, timeout_s=30, poll_s=0.05) == urls
+    assert time.monotonic() - start >= 0.4  # it waited for the file rather than failing on its absence
+    writer.join()
+    (tmp_path / "engines.json").unlink()
+    with pytest.raises(SluiceError, match="engines.json did not appear within 0 s.*engines' logs"):
+        wait_for_engines(tmp_path, timeout_s=0.2, poll_s=0.05)

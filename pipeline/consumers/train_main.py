@@ -7,7 +7,7 @@ import gc
 import json
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,8 +59,12 @@ def build_rank(cfg: SluiceConfig, model_dir: Path) -> tuple[Any, Any, Any, Any]:
 
 
 def run_trainer(run_dir: Path, cfg: SluiceConfig, model_dir: Path,
-                engines: Sequence[WeightUpdateEngine] | None = None) -> None:
+                engines: Sequence[WeightUpdateEngine] | Callable[[], Sequence[WeightUpdateEngine]] | None = None
+                ) -> None:
     """Train this rank until ``trainer.steps`` or a stop; rank 0 also drains the queue and pushes weights to engines.
+
+    ``engines`` may be a call that waits for them: it is made once the model is built, so that the build overlaps
+    the engines' start.
 
     The rank's process is expected to exit afterwards (see the end).
     """
@@ -86,8 +90,9 @@ def run_trainer(run_dir: Path, cfg: SluiceConfig, model_dir: Path,
                          block_ms=cfg.trainer.drain_block_ms, claim_idle_ms=cfg.queue.claim_idle_ms,
                          min_groups=ps.get_data_parallel_world_size())
         clock = RedisClock(handle.queue)
-        if engines:
-            pusher = loop.run_until_complete(_connect_pusher(cfg, engines, run_dir, model_dir))
+        members = engines() if callable(engines) else engines
+        if members:
+            pusher = loop.run_until_complete(_connect_pusher(cfg, members, run_dir, model_dir))
         if cfg.eval.heldout.enabled:
             snapshots = SnapshotWriter.for_run(run_dir, model_dir, cfg.eval.heldout, clock.get())
         scalars = open_sinks(run_dir, "trainer", cfg.metrics, cfg.run.name)
