@@ -33,8 +33,9 @@ from pipeline.errors import EngineError, SluiceError
 from pipeline.launch_control import Interrupted, RedisWatch, RunLock, RunLockedError, StopRequest
 from pipeline.live import LiveView
 from pipeline.models.spec import engine_patch_args
-from pipeline.queue.connection import check_fsync_always, has_secret, redact_url
+from pipeline.queue.connection import check_fsync_always, connect, has_secret, redact_url
 from pipeline.queue.credentials import ENV_URL, remove_secret_url, resolve_url, write_secret_url
+from pipeline.queue.redis_streams import SampleQueue
 from pipeline.queue.rundir import RunHandle, open_run
 from pipeline.report import format_curve, format_heldout, learning_curve
 from pipeline.supervisor import Supervisor
@@ -427,7 +428,9 @@ def _start_children(cfg: SluiceConfig, sup: Supervisor, handle: RunHandle, model
     from pipeline.consumers.checkpoints import latest_checkpoint
 
     placement = trainer_placement(cfg)
-    resuming = latest_checkpoint(run_dir / "checkpoints") is not None or handle.queue.policy_version() > 0
+    # A trainer that started before (``Trainer.resume``) may have left the engines half-pushed: not a fresh start.
+    resuming = (latest_checkpoint(run_dir / "checkpoints") is not None or handle.queue.policy_version() > 0
+                or handle.queue.has_event("resume"))
     # The trainer ranks build their model while the engines load theirs: rank 0 waits for engines.json only when it
     # first needs the engines, and a file an earlier launch left must not be taken for this one's.
     engines_file = run_dir / "engines.json"
@@ -473,7 +476,12 @@ def _supervise(cfg: SluiceConfig, sup: Supervisor, handle: RunHandle, placement:
     redis_watch = _redis_watch(cfg, sup, handle)
     finished: set[str] = set()
     last_trim = time.monotonic()
-    with LiveView(run_dir, handle.queue, cfg.trainer.steps) as progress:  # a panel on a terminal, else a line
+    # The view reads Redis on a client of its own that does not retry: while the embedded Redis is down, a refresh
+    # fails at once and is skipped, and this loop goes on to the watch that restarts it (the run's client would retry
+    # for about 15 s, and the other processes' retries could run out meanwhile).
+    view_queue = SampleQueue(connect(handle.url, retry=None, socket_timeout=5.0, socket_connect_timeout=2.0),
+                             handle.run)
+    with view_queue.redis, LiveView(run_dir, view_queue, cfg.trainer.steps) as progress:
         while not trainers <= finished:
             if redis_watch is not None:
                 redis_watch.check(pause)

@@ -10,14 +10,19 @@ letters, the time of the last weight push from the run's events stream).
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import redis
+
 from pipeline.queue.redis_streams import SampleQueue
 from pipeline.report import step_rates, trainer_rows
+
+log = logging.getLogger(__name__)
 
 WINDOW = 20  # steps in the window means (reward, lag, rates)
 PLAIN_EVERY_S = 10.0
@@ -215,27 +220,43 @@ class LiveView:
     def __enter__(self) -> LiveView:
         if self.interactive:
             from rich.live import Live
+            from rich.text import Text
 
-            self._live = Live(panel(self.status()), console=self.console, auto_refresh=False, transient=False)
+            st = self._status()
+            first = panel(st) if st is not None else Text("waiting for Redis to answer")
+            self._live = Live(first, console=self.console, auto_refresh=False, transient=False)
             self._live.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._live is not None:
-            self._live.update(panel(self.status()), refresh=True)
+            st = self._status()
+            if st is not None:
+                self._live.update(panel(st), refresh=True)
             self._live.__exit__(None, None, None)
             self._live = None
 
     def status(self) -> RunStatus:
         return collect(self.run_dir, self.queue, self.total_steps, rows=self._tail.rows())
 
+    def _status(self) -> RunStatus | None:
+        """The status, or None while Redis does not answer (the launcher's watch restarts an embedded one): a view
+        is skipped, never the end of the run."""
+        try:
+            return self.status()
+        except redis.RedisError as e:
+            log.debug("live view skipped: Redis did not answer (%s)", e)
+            return None
+
     def tick(self) -> None:
         now = time.monotonic()
         if self._live is not None and now - self._last >= 1.0:
-            self._live.update(panel(self.status()), refresh=True)
+            st = self._status()
+            if st is not None:
+                self._live.update(panel(st), refresh=True)
             self._last = now
         elif self._live is None and now - self._last >= PLAIN_EVERY_S:
-            st = self.status()
-            if st.step is not None:
+            st = self._status()
+            if st is not None and st.step is not None:
                 print(plain_line(st), flush=True)
             self._last = now

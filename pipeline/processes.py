@@ -76,7 +76,8 @@ def trainer_main(run_dir: Path) -> None:
     def engines() -> list[SGLangClient]:
         if rank != 0:
             return []
-        urls = wait_for_engines(run_dir, cfg.engine.startup_timeout_s + 120)
+        # As long as the launcher may take to place the engines, bind them and see them answer, and then some.
+        urls = wait_for_engines(run_dir, cfg.ray.startup_timeout_s + cfg.engine.startup_timeout_s + 180)
         return [SGLangClient(u) for u in urls]
 
     try:
@@ -90,12 +91,13 @@ def wait_for_engines(run_dir: Path, timeout_s: float, poll_s: float = 0.2) -> li
     """The engines' URLs from ``RUN_DIR/engines.json``, which the launcher writes once they answer and were adopted
     (the trainer starts while they load)."""
     path = run_dir / "engines.json"
-    deadline = time.monotonic() + timeout_s
+    start = time.monotonic()
     while not path.exists():
-        if time.monotonic() > deadline:
+        if time.monotonic() - start > timeout_s:
             raise SluiceError(f"{path} did not appear within {timeout_s:.0f} s: the launcher writes it once the "
                               "engines answer; see the engines' logs in RUN_DIR/logs/")
         time.sleep(poll_s)
+    log.info("the engines are up (engines.json), after %.1f s of waiting for them", time.monotonic() - start)
     urls = json.loads(path.read_text())
     return [str(u) for u in urls]
 

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from engines import start_engine
 from safetensors.torch import load_file
 
@@ -95,3 +98,25 @@ def test_a_dead_engine_leaves_the_rotation_and_a_restarted_one_is_re_synced(mode
     finally:
         for e in engines:
             e.stop()
+
+
+def test_a_push_that_fails_before_sending_still_walks_the_exporter() -> None:
+    """A trainer's exporter is a collective every rank walks; a push that fails before it sends anything (the engines'
+    file unreadable, no engine answering) must walk it too, or the other ranks wait in it until the group's timeout."""
+    class _Engine:
+        name = "e0"
+
+    def unreadable(known: list[Any]) -> list[Any]:
+        raise SyncError("engines.json: unreadable")
+
+    rotation = EngineRotation([_Engine()], connect=None, discover=unreadable)  # type: ignore[arg-type, list-item]
+    walked: list[str] = []
+
+    def exporter() -> Iterator[tuple[str, torch.Tensor]]:
+        for name in ("a", "b", "c"):
+            walked.append(name)
+            yield name, torch.zeros(2)
+
+    with pytest.raises(SyncError, match="unreadable"):
+        asyncio.run(rotation.push_once(exporter, 1))
+    assert walked == ["a", "b", "c"]

@@ -69,3 +69,42 @@ def test_a_push_reaches_every_rank_of_a_tp2_engine_and_a_tp1_engine(model_dir: P
         assert out.output_ids.tolist() == expected and out.token_versions() == ["1"] * len(expected)
     tp2, tp1 = (load.ranks[0]["weight_bytes_received_per_tp_rank"] for load in loads)
     assert tp2 == [wire_bytes, wire_bytes] and tp1 == [wire_bytes]
+
+
+def test_an_engine_with_more_tp_ranks_than_asyncios_thread_pool_joins_and_receives_on_each() -> None:
+    """Every rank's join blocks until the whole world joined, so the ranks must not queue in a shared pool: asyncio's
+    default one has min(32, cores + 4) threads, and a TP above that never formed the group."""
+    import os
+    import threading
+
+    from pipeline.producers.cpu_engine.tp_group import TpWeightGroup
+    from pipeline.queue.redis_server import free_port
+    from pipeline.sync.weights import init_weight_group
+
+    tp = min(32, (os.cpu_count() or 1) + 4) + 1
+    port = free_port()
+    trainer: dict[str, Any] = {}
+
+    def host() -> None:
+        group = init_weight_group("127.0.0.1", port, 0, 1 + tp, "tp-join", "gloo", 60)
+        trainer["group"] = group
+
+    thread = threading.Thread(target=host)
+    thread.start()
+    engine = asyncio.run(TpWeightGroup.join(tp, master_address="127.0.0.1", master_port=port, rank_offset=1,
+                                            world_size=1 + tp, group_name="tp-join", timeout_s=60))
+    thread.join(timeout=60)
+    try:
+        assert len(engine.members) == tp and "group" in trainer
+        buffers = [torch.zeros(4096, dtype=torch.uint8) for _ in engine.members]
+        receiving = [threading.Thread(target=m.broadcast, args=(b, 0)) for m, b in zip(engine.members, buffers)]
+        for t in receiving:
+            t.start()
+        trainer["group"].broadcast(torch.full((4096,), 7, dtype=torch.uint8), src=0)
+        for t in receiving:
+            t.join(timeout=60)
+        assert all(bool((b == 7).all()) for b in buffers)  # every rank took the broadcast
+    finally:
+        for member in engine.members:
+            member.close()
+        trainer["group"].close()

@@ -19,7 +19,7 @@ from pipeline.benchmarks.fault_check import TAP_GROUP, StreamTap, check, collect
 from pipeline.benchmarks.faults import FaultsBenchParams, run_faults_bench, table_lines
 from pipeline.consumers.ledger import Ledger, LedgerLine
 from pipeline.queue.archive import ArchiveWriter
-from pipeline.queue.redis_streams import SampleQueue
+from pipeline.queue.redis_streams import GONE_REASON, SampleQueue
 
 
 def _checkpoint(run_dir: Path, step: int, version: int) -> None:
@@ -72,6 +72,15 @@ def test_the_checker_reports_loss_duplicates_versions_and_archive_holes(
     queue.ack("trainer", [read[3].id])
     lost = check(collect(client, prefix, run_dir, tap, archive_on=True))
     assert lost.lost == 2 and set(lost.lost_ids) == {s.sample_id for s in read[3].samples} and not lost.ok
+    # Dead-lettered because it was gone from the stream, it is still lost: that is how a loss looks to the reader
+    # that meets it. Dead-lettered by the trainer for what it held, it is answered (and only the trainer's group's
+    # dead-letters answer for the trainer, only the archiver's for the archive, below).
+    queue._dead_letter("trainer", "trainer-0", [(read[3].id, GONE_REASON, None)])
+    assert check(collect(client, prefix, run_dir, tap, archive_on=True)).lost == 2
+    queue._dead_letter("eval", "e", [(read[3].id, "routing of the wrong shape", None)])
+    assert check(collect(client, prefix, run_dir, tap, archive_on=True)).lost == 2
+    queue._dead_letter("trainer", "trainer-0", [(read[3].id, "routing of the wrong shape", None)])
+    assert check(collect(client, prefix, run_dir, tap, archive_on=True)).lost == 0
 
     # A sample trained twice: a second committed segment holds a line for a sample of step 1.
     again = read[0].samples[0].sample_id

@@ -93,3 +93,27 @@ def test_trainer_tail_reads_only_what_was_appended(tmp_path: Path) -> None:
         f.write(json.dumps(rows[0])[10:] + "\n" + json.dumps({**rows[29], "reward_mean": 9.0}) + "\n")
     got = tail.rows()
     assert [r["step"] for r in got] == [26, 27, 28, 29, 30] and got[-1]["reward_mean"] == 9.0  # a redone step
+
+
+def test_a_redis_that_does_not_answer_skips_a_view_and_ends_nothing(tmp_path: Path, queue: SampleQueue,
+                                                                    capsys: pytest.CaptureFixture[str],
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher's loop refreshes the view between its Redis watch's checks; a Redis that died meanwhile must
+    not end the run from there."""
+    import time
+
+    from pipeline.queue.connection import connect
+    from pipeline.queue.redis_server import free_port
+
+    run_dir = _run(tmp_path, queue)
+    dead = SampleQueue(connect(f"redis://127.0.0.1:{free_port()}/0", retry=None, socket_connect_timeout=1.0),
+                       queue.run)
+    monkeypatch.setattr(live, "PLAIN_EVERY_S", 0.0)
+    for console in (Console(file=io.StringIO(), force_terminal=True, width=100),
+                    Console(file=io.StringIO(), force_terminal=False)):
+        start = time.monotonic()
+        with LiveView(run_dir, dead, TOTAL, console=console) as view:
+            view._last = -1e9  # due now
+            view.tick()
+        assert time.monotonic() - start < 5
+    assert capsys.readouterr().out == ""  # no line from a view that could not be read

@@ -29,6 +29,19 @@ def test_redis_clock_advances_by_one_and_never_below_the_pushed_version(queue: S
     assert clock.advance(at_least=3) == 7  # a floor below the counter changes nothing
 
 
+def test_a_trainer_that_started_before_is_not_a_fresh_start_even_at_version_0(queue: SampleQueue) -> None:
+    """A trainer killed in the middle of its first push, before any checkpoint, leaves the engines with a mix of old
+    and new weights still labelled 0; the next one must hold and re-sync them (``Trainer.resume``), so it may not take
+    version 0 and no checkpoint for a fresh start. Its "resume" event is what tells."""
+    clock = RedisClock(queue)
+    for i in range(2500):  # a long run's events: the search pages through them
+        queue.log_event("weight_push", version=i)
+    assert not clock.started_before() and not queue.has_event("resume", chunk=100)
+    queue.log_event("resume", step=0, version=0)
+    assert clock.started_before() and queue.has_event("resume", chunk=100)
+    assert clock.get() == 0  # the counter alone would have called this a fresh start
+
+
 def _launch(run_dir: Path, name: str, redis_url: str, steps: int, log: Path) -> None:
     cmd = [sys.executable, "-m", "pipeline.cli", "run", "recipes/cpu-moe.toml", "--run-dir", str(run_dir),
            "--steps", str(steps), "--set", f"run.name={name}", "--set", f"queue.redis_url={redis_url}",

@@ -22,6 +22,8 @@ import msgpack
 import pyarrow.parquet as pq
 import redis
 
+from pipeline.queue.redis_streams import GONE_REASON
+
 TAP_GROUP = "faults-tap"
 TAP_CONSUMER = "harness"
 
@@ -141,6 +143,8 @@ class RunRecord:
     trainer_last: str | None
     """The trainer group's last-delivered id (None: no group)."""
     deadletter_ids: set[str]
+    """Entries the trainer's group dead-lettered for what they held (a dead-letter because the entry was gone
+    from the stream is a loss, not an answer)."""
     ledger: list[dict[str, Any]]
     """Committed ledger lines (segments up to the newest complete checkpoint)."""
     counter: int
@@ -155,6 +159,8 @@ class RunRecord:
     """(stream id, sample id) of every archived sample; None when the archive is off."""
     archive_pending: set[str] = field(default_factory=set)
     archive_last: str | None = None
+    archive_deadletter_ids: set[str] = field(default_factory=set)
+    """Entries the archiver's group dead-lettered for their content."""
 
 
 @dataclass
@@ -260,7 +266,7 @@ def archive_problems(r: RunRecord) -> list[str]:
         out.append(f"{len(extra)} archived entries never reached the stream, e.g. {sorted(extra)[:3]}")
     waiting = {e for e in tapped - archived
                if e in r.archive_pending or (e in r.stream_ids and not _delivered_to(e, r.archive_last))}
-    if missing := tapped - archived - waiting - r.deadletter_ids:
+    if missing := tapped - archived - waiting - r.archive_deadletter_ids:
         out.append(f"{len(missing)} stream entries missing from the archive, e.g. {sorted(missing)[:3]}")
     for entry_id in archived & tapped:
         want = set(r.tapped[entry_id] or ())
@@ -337,12 +343,18 @@ def collect(client: redis.Redis, prefix: str, run_dir: Path, tap: StreamTap, arc
     return RunRecord(
         tapped=dict(tap.entries), stream_ids={i for i, _ in _xrange(client, stream)},
         trainer_pending=pending, trainer_last=last,
-        deadletter_ids={f.get("entry_id", i) for i, f in _xrange(client, f"{prefix}:deadletter")},
+        deadletter_ids=_dead_lettered(client, prefix, "trainer"),
         ledger=committed_ledger(run_dir, ckpt[0] if ckpt else -1),
         counter=int(client.get(f"{prefix}:policy_version") or 0),
         pushes=[int(e["version"]) for _, e in events if e.get("kind") == "weight_push"],
         event_checkpoints=[(int(e["step"]), int(e["version"])) for _, e in events if e.get("kind") == "checkpoint"],
         newest_checkpoint=ckpt, archive_rows=archived_rows(run_dir) if archive_on else None,
-        archive_pending=apending, archive_last=alast,
+        archive_pending=apending, archive_last=alast, archive_deadletter_ids=_dead_lettered(client, prefix, "archive"),
     )
+
+
+def _dead_lettered(client: redis.Redis, prefix: str, group: str) -> set[str]:
+    """The entries ``group`` dead-lettered for their content."""
+    return {f.get("entry_id", i) for i, f in _xrange(client, f"{prefix}:deadletter")
+            if f.get("group") == group and not f.get("reason", "").startswith(GONE_REASON)}
 

@@ -193,7 +193,9 @@ def run_trial(p: FaultsBenchParams, kind: str, seed: int) -> TrialResult:
     run_dir.mkdir(parents=True)
     log = run_dir.parent / f"{kind}-{seed}.log"
     log.unlink(missing_ok=True)
-    cluster = _Cluster(run_dir.parent / f"{kind}-{seed}-cluster") if kind == "ray-node" else None
+    cluster_dir = run_dir.parent / f"{kind}-{seed}-cluster"
+    shutil.rmtree(cluster_dir, ignore_errors=True)  # its Redis's AOF would bring an earlier trial's run back
+    cluster = _Cluster(cluster_dir) if kind == "ray-node" else None
     cmd = [sys.executable, "-m", "pipeline.cli", "run", p.recipe, "--run-dir", str(run_dir), "--steps", str(p.steps)]
     if cluster is not None:
         cmd += ["--ray-address", cluster.cluster.address, "--set", f"queue.redis_url={json.dumps(cluster.server.url)}"]
@@ -204,6 +206,7 @@ def run_trial(p: FaultsBenchParams, kind: str, seed: int) -> TrialResult:
     tap = StreamTap(url, f"{prefix}:samples").start()
     result = TrialResult(kind=kind, seed=seed, injection={})
     started = time.monotonic()
+    proc: subprocess.Popen[bytes] | None = None
     try:
         proc = _launch(cmd, log)
         inj = Injection(note="baseline: no fault")
@@ -218,7 +221,8 @@ def run_trial(p: FaultsBenchParams, kind: str, seed: int) -> TrialResult:
         result.exit_codes.append(code)
         while code != 0 and result.resumes < p.resumes:
             result.resumes += 1  # the launcher gave up (or hung): the same command resumes the run
-            code = _wait_exit(_launch(cmd, log), p.timeout_s)
+            proc = _launch(cmd, log)
+            code = _wait_exit(proc, p.timeout_s)
             result.exit_codes.append(code)
         result.hung = None in result.exit_codes
         tap.stop()
@@ -227,6 +231,8 @@ def run_trial(p: FaultsBenchParams, kind: str, seed: int) -> TrialResult:
         result.recovered = result.finished and result.resumes == 0
     finally:
         tap.stop()
+        if proc is not None and proc.poll() is None:  # the harness itself failed: the run under test must not
+            _wait_exit(proc, 0)                       # outlive its trial, nor share the machine with the next one
         if cluster is not None:
             cluster.close()
     result.wall_s = round(time.monotonic() - started, 1)
@@ -370,5 +376,6 @@ def cmd(args: Any) -> int:
         print(json.dumps(res, indent=1, default=str))
     else:
         print("\n".join(table_lines(res)))
-    bad = any(s["lost"] or s["duplicated"] or s["finished"] < s["trials"] for s in res["summary"])
+    bad = any(s["lost"] or s["duplicated"] or s["other_problems"] or s["finished"] < s["trials"]
+              for s in res["summary"])
     return 1 if bad else 0

@@ -73,6 +73,8 @@ class VersionClock(Protocol):
 
     def event(self, kind: str, **fields: str | float) -> None: ...
 
+    def started_before(self) -> bool: ...
+
     def restored(self, version: int, base: int) -> None: ...
 
 
@@ -106,6 +108,10 @@ class RedisClock:
     def event(self, kind: str, **fields: str | float) -> None:
         self.queue.log_event(kind, **fields)
 
+    def started_before(self) -> bool:
+        """Whether a trainer of this run got as far as its resume before (its "resume" event)."""
+        return self.queue.has_event("resume")
+
     def restored(self, version: int, base: int) -> None:
         """``version`` (the next push) holds the weights of ``base``: the drain judges lags along the lineage."""
         from pipeline.consumers.drain import record_restore
@@ -132,6 +138,10 @@ class LocalClock:
 
     def event(self, kind: str, **fields: str | float) -> None:
         log.info("%s %s", kind, fields)
+
+    def started_before(self) -> bool:
+        """Offline replay starts afresh each time: it pushes to no engine."""
+        return False
 
     def restored(self, version: int, base: int) -> None:
         """Offline replay keeps no lineage: its recording is one branch."""
@@ -256,7 +266,10 @@ class Trainer:
             self.ledger.load(self.step if latest is not None else -1)
             recovery = self.source.recover()
             self.version = self._resume_version(checkpoint_version)
-            fresh = latest is None and self.version == 0
+            # A trainer that started before in this run may have died in the middle of its first push, before any
+            # checkpoint or version: the engines then hold a mix of old and new weights, still labelled 0, and must
+            # be held and re-synced like a resumed run's, not kept.
+            fresh = latest is None and self.version == 0 and not self.clock.started_before()
             # A resumed run's engines may hold weights trained on data this checkpoint has not seen, and engines
             # sluice did not start may hold another run's: give them ours before they serve (sync.lifecycle).
             held = self._adopt_engines(fresh)

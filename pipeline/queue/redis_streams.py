@@ -123,6 +123,11 @@ def _fields(flat: Sequence[Any] | None) -> dict[str, bytes] | None:
     return {_s(flat[i]): flat[i + 1] for i in range(0, len(flat), 2)}
 
 
+GONE_REASON = "entry no longer exists in the stream (deleted or trimmed before it was acked)"
+"""The dead-letter reason of an entry a group had delivered but that was gone when read again: not a bad entry, but
+one the stream lost (an audit counts it as lost)."""
+
+
 class SampleQueue:
     """Durable queue of sample groups on a Redis stream (see ARCHITECTURE.md, "Redis layout").
 
@@ -311,7 +316,7 @@ class SampleQueue:
     @staticmethod
     def _decode_entry(entry_id: str, fields: dict[str, bytes] | None, delivery: str) -> QueueEntry:
         if not fields:
-            raise SampleDecodeError("entry no longer exists in the stream (deleted or trimmed before it was acked)")
+            raise SampleDecodeError(GONE_REASON)
         missing = [k for k in ("v", "n", "vmin", "vmax", "data") if k not in fields]
         if missing:
             raise SampleDecodeError(f"entry lacks fields {missing}; not written by sluice?")
@@ -403,6 +408,17 @@ class SampleQueue:
     def events(self, count: int | None = None) -> list[dict[str, str]]:
         return [{"id": _s(i), **{k: _s(v) for k, v in (_fields(f) or {}).items()}}
                 for i, f in self.redis.xrange(self.keys.events, count=count)]
+
+    def has_event(self, kind: str, chunk: int = 1000) -> bool:
+        """Whether the events stream holds an event of ``kind``, read a chunk at a time from the oldest."""
+        start = "-"
+        while True:
+            batch = self.redis.xrange(self.keys.events, min=start, count=chunk)
+            if any(_s((_fields(f) or {}).get("kind", b"")) == kind for _, f in batch):
+                return True
+            if len(batch) < chunk:
+                return False
+            start = "(" + _s(batch[-1][0])
 
     def stats(self) -> QueueStats:
         k = self.keys

@@ -22,7 +22,7 @@ from pipeline.errors import SyncError
 from pipeline.sync.base import WeightUpdateEngine
 from pipeline.sync.lifecycle import Adoption, ManagedEngine, adopt_engines
 from pipeline.sync.packing import PackedBucket
-from pipeline.sync.weights import PushStats, WeightPusher
+from pipeline.sync.weights import PushStats, WeightPusher, exhaust
 
 WeightSource = (Sequence[PackedBucket] | Sequence[tuple[str, torch.Tensor]]
                 | Callable[[], Iterable[tuple[str, torch.Tensor]]])
@@ -99,10 +99,15 @@ class EngineRotation:
     async def push_once(self, weights: WeightSource, weight_version: str | int) -> PushStats | None:
         """One attempt. None: it failed because an engine failed or restarted, and the group was rebuilt over the
         engines that answer, so the caller should send the weights again. Raises when no engine is to blame."""
-        await self._admit_returned()
+        source = weights() if callable(weights) else weights
+        try:
+            await self._admit_returned()
+        except BaseException:
+            exhaust(source)  # the other trainer ranks are walking the exporter too
+            raise
         assert self.pusher is not None
         try:
-            stats = await self.pusher.push(weights() if callable(weights) else weights, weight_version)
+            stats = await self.pusher.push(source, weight_version)
         except SyncError as exc:
             alive = await self._answering(self.members)  # waits for one to come back if none answers
             restarted = await self._restarted(alive)

@@ -466,6 +466,7 @@ class WeightPusher:
         """
         version = str(weight_version)
         if self.group.broken is not None:
+            exhaust(weights)
             raise SyncError(
                 f"weight group {self.group.group_name!r} is unusable ({self.group.broken}); "
                 "close this pusher and connect a new one"
@@ -485,8 +486,8 @@ class WeightPusher:
             # push"). Only a whole push continues them: one that fails leaves the engines paused until the next.
             await _expect_success(self.engines, [e.pause_generation("in_place") for e in self.engines],
                                   "pause_generation")
+            opened = True  # before the answers: an engine whose window opened is closed again if another refused
             await _expect_success(self.engines, [e.begin_weight_update() for e in self.engines], "begin_weight_update")
-            opened = True
             while item is not None:
                 bucket, last = item
                 # No flush with the update: SGLang refuses to flush while requests are in flight, as they are in place.
@@ -577,6 +578,14 @@ class WeightPusher:
             return
         for _, tensor in bucket.tensors():
             self.group.broadcast(tensor.contiguous(), src=0)
+
+
+def exhaust(weights: Iterable[Any]) -> None:
+    """Walk a one-shot exporter that a push will not send: a trainer's is a collective every rank must finish, and
+    the other ranks would otherwise wait in it until the group's timeout."""
+    if not isinstance(weights, Sequence):
+        for _ in weights:
+            pass
 
 
 def _is_packed(weights: Weights) -> bool:

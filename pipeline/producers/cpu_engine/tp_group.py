@@ -40,9 +40,13 @@ class TpWeightGroup:
             raise EngineError(f"an engine with tp={tp} needs ranks {rank_offset}..{rank_offset + tp - 1}, but the "
                               f"weight group has world_size {world_size}; the trainer must count every engine's tp "
                               "(world_size = 1 + sum of tp)")
-        joins = [asyncio.to_thread(init_weight_group, master_address, master_port, rank_offset + i, world_size,
-                                   group_name, "gloo", timeout_s) for i in range(tp)]
-        results = await asyncio.gather(*joins, return_exceptions=True)
+        # A thread per rank: each init blocks until the whole world joined, so ranks queued behind others in a
+        # shared pool (asyncio's default one has min(32, cores + 4) threads) would never join.
+        loop = asyncio.get_running_loop()
+        with ThreadPoolExecutor(tp, thread_name_prefix="sluice-tp-join") as pool:
+            joins = [loop.run_in_executor(pool, init_weight_group, master_address, master_port, rank_offset + i,
+                                          world_size, group_name, "gloo", timeout_s) for i in range(tp)]
+            results = await asyncio.gather(*joins, return_exceptions=True)
         members = [r for r in results if isinstance(r, WeightGroup)]
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
@@ -61,6 +65,12 @@ class TpWeightGroup:
         else:
             with ThreadPoolExecutor(len(self.members), thread_name_prefix="sluice-tp-rank") as pool:
                 futures = [pool.submit(receive, m, names, dtypes, shapes) for m in self.members]
+                failed = [f.exception() for f in futures if f.exception() is not None]
+                if failed:
+                    for f in futures:  # what the other ranks received goes back to the pool
+                        if f.exception() is None:
+                            recycle(f.result())
+                    raise failed[0]
                 got = [f.result() for f in futures]
         for rank, tensors in enumerate(got):
             self.bytes_received[rank] += sum(t.numel() * t.element_size() for _, t in tensors)
