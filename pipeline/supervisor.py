@@ -141,7 +141,15 @@ class Supervisor:
 
     def _restart(self, child: Supervised) -> None:
         child.restart_at = None
-        info = child.process.start(self.start_timeout_s)
+        try:
+            info = child.process.start(self.start_timeout_s)
+        except Exception as e:  # it died before it bound its port, or no node took it in time: one more failure
+            child.process.discard()
+            delay = child.process.restart_delay()  # raises once the budget is spent
+            log.warning("%s did not come back (%s); trying again in %.0f s (log: %s)", child.name, _reason(e), delay,
+                        child.log_path)
+            child.restart_at = time.monotonic() + delay
+            return
         self._record(child.process, info)
         log.warning("%s restarted on %s", child.name, info.get("node_ip"))
         if child.on_restart is not None:

@@ -109,6 +109,40 @@ def test_a_process_that_dies_is_restarted_after_its_backoff_until_the_budget_is_
         sup.kill_all()
 
 
+def test_a_restart_that_dies_before_it_binds_its_port_is_tried_again_within_the_budget(private_ray: None,
+                                                                                       tmp_path: Path) -> None:
+    """A restart that fails to start (here: the second start exits before it writes its port) spends one restart of
+    the budget and is tried again; it does not end the run."""
+    starts, port_file = tmp_path / "starts", tmp_path / "svc.port"
+    code = textwrap.dedent(f"""
+        import os, time
+        with open({str(starts)!r}, 'a') as f:
+            f.write('x')
+        n = len(open({str(starts)!r}).read())
+        if n == 2:
+            raise SystemExit(4)  # before it binds
+        open({str(port_file)!r} + '.tmp', 'w').write('4321')
+        os.rename({str(port_file)!r} + '.tmp', {str(port_file)!r})
+        if n == 1:
+            time.sleep(0.3)
+            raise SystemExit(3)
+        while True:
+            time.sleep(0.05)
+    """)
+    sup = Supervisor(budget=lambda: RestartBudget(limit=3, window_s=60.0, backoff_s=0.2), start_timeout_s=20)
+    try:
+        sup.start([ProcessSpec("svc", [sys.executable, "-c", code], str(tmp_path / "svc.log"), num_cpus=0.5,
+                               port_file=str(port_file))])
+        deadline = time.monotonic() + 90
+        while starts.read_text() != "xxx" or sup.children["svc"].restart_at is not None:
+            assert time.monotonic() < deadline, starts.read_text()
+            sup.poll()
+            time.sleep(0.1)
+        assert sup.exit_code("svc") is None and sup.children["svc"].process.info["port"] == 4321
+    finally:
+        sup.kill_all()
+
+
 def test_a_process_that_is_not_restartable_is_reported_and_left_alone(private_ray: None, tmp_path: Path) -> None:
     sup = Supervisor()
     try:
