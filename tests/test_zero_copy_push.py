@@ -471,3 +471,43 @@ def test_a_push_sends_large_tensors_zero_copy_and_a_paused_engine_receives_them_
     # A push whose labelled bucket failed in place: the label stays, generation stays paused until a whole push.
     assert out["version_after_failure"] == "1"
     assert out["failed_load"].ranks[0]["paused"] is True
+
+
+@pytest.mark.slow
+def test_a_bucket_that_fails_to_load_keeps_the_label_though_a_later_bucket_carries_it(tmp_path: Path) -> None:
+    """Buckets load in arrival order while later ones arrive; the label rides on the last one. If an earlier one's
+    load fails, the last one's load must not move the label over weights that are partly old."""
+    model_dir = init_tiny_model("qwen3", tmp_path / "model", seed=0)
+    weights = [(n, t.clone()) for n, t in sorted(load_file(str(model_dir / "model.safetensors")).items())]
+    first = weights[0][0]
+    served = _ServedEngine(model_dir)
+    apply = served.engine.weights.apply
+
+    def failing(tensors: list[tuple[str, torch.Tensor]]) -> None:
+        if any(name == first for name, _ in tensors):
+            raise RuntimeError("injected: the load broke")
+        apply(tensors)
+
+    served.engine.weights.apply = failing  # type: ignore[method-assign]
+
+    async def scenario() -> tuple[str, str, int]:
+        client = SGLangClient(served.url, retry=NO_RETRY)
+        pusher = await WeightPusher.connect([client], master_address="127.0.0.1", backend="gloo", timeout_s=60,
+                                            bucket_bytes=64 * KB, zero_copy=False)
+        try:
+            with pytest.raises(SyncError, match="loading a received bucket failed"):
+                await pusher.push(weights, 7)
+            failed = str(await client.weight_version())
+            served.engine.weights.apply = apply  # type: ignore[method-assign]
+            stats = await pusher.push(weights, 8)  # a whole push after it moves the label again
+            return failed, str(await client.weight_version()), stats.buckets
+        finally:
+            await pusher.close()
+            await client.close()
+
+    try:
+        failed, after, buckets = asyncio.run(scenario())
+    finally:
+        served.stop()
+    assert buckets > 2  # the failing bucket (the first, of several tensors: loaded from buffers) was not the last
+    assert failed == "0" and after == "8"

@@ -151,6 +151,8 @@ class Engine:
         self.groups: dict[str, TpWeightGroup] = {}
         self.update_window_open = False
         self.updated_in_window = False
+        self.load_failed_in_window = False
+        """A bucket of the open window failed to load: the label may not move, whichever bucket carries it."""
         self.pending_loads: list[Future[None]] = []
         """Buckets received and queued for loading between forward passes; ``/end_weight_update`` waits for them."""
         self.update_lock = asyncio.Lock()

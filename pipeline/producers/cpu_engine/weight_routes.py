@@ -151,8 +151,11 @@ class WeightRoutes:
         return reply(True, f"left weight group {name!r}")
 
     async def begin_update(self, request: web.Request) -> web.Response:
-        """``POST /begin_weight_update``: open the window in which updates are accepted."""
-        self.engine.update_window_open = True
+        """``POST /begin_weight_update``: open the window in which updates are accepted. Nothing of an earlier
+        window counts in it (a receive of a failed push that finished after that window closed, say)."""
+        engine = self.engine
+        engine.update_window_open = True
+        engine.updated_in_window = engine.load_failed_in_window = False
         return reply(True, "weight update window opened")
 
     async def end_update(self, request: web.Request) -> web.Response:
@@ -197,6 +200,8 @@ class WeightRoutes:
         if group is None:
             return reply(False, f"no weight group named {body.group_name!r}; call /init_weights_update_group first")
         async with engine.update_lock:
+            if not engine.update_window_open:  # closed while this request waited for the lock
+                return reply(False, "the weight update window closed before this bucket's turn; nothing was received")
             if self._in_place(body, group):
                 try:
                     tensors = await asyncio.to_thread(self._receive_in_place, group, body)
@@ -256,9 +261,13 @@ class WeightRoutes:
             self.engine.abort(lambda s: True, "aborted by a weight update")
         try:
             self.engine.weights.apply(tensors)
+        except BaseException:
+            self.engine.load_failed_in_window = True
+            raise
         finally:
             self.engine.weights.recycle(tensors)
-        if body.weight_version is not None:
+        # Loads run in arrival order: the last bucket's, which carries the label, knows whether any before it failed.
+        if body.weight_version is not None and not self.engine.load_failed_in_window:
             self.engine.generator.version = body.weight_version
 
     async def update_from_disk(self, request: web.Request) -> web.Response:
