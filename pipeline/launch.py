@@ -224,7 +224,7 @@ def launch_engines(cfg: SluiceConfig, sup: Supervisor, model_dir: Path, run_dir:
     pending = sup.launch(specs, stop_last=True)
 
     def finish() -> list[str]:
-        infos = pending.wait()
+        infos = pending.wait(pause)
         urls = [_url(info) for info in infos]
         for i, info in enumerate(infos):
             child = sup.children[f"engine-{i}"]
@@ -457,7 +457,7 @@ def _start_children(cfg: SluiceConfig, sup: Supervisor, handle: RunHandle, model
     sup.start([_spec(cfg, "producer", f"producer-{i}", ["producer", str(run_dir), f"producer-{i}"])
                for i in range(cfg.producers)])
     if others_up is not None:
-        others_up.wait()
+        others_up.wait(pause)
     return placement
 
 

@@ -59,12 +59,19 @@ class PendingStart:
     procs: list[HostedProcess]
     refs: list[Any]
 
-    def wait(self) -> list[dict[str, Any]]:
-        """Each one's host info (node address, port) once all run."""
+    def wait(self, pause: Callable[[float], None] | None = None) -> list[dict[str, Any]]:
+        """Each one's host info (node address, port) once all run. ``pause`` is called between slices of the wait
+        (the launcher's, which raises on a stop signal), so a stop need not wait for the slowest start."""
         import ray
 
+        deadline = time.monotonic() + self.supervisor.start_timeout_s + 60
+        pending = list(self.refs)
+        while pending and time.monotonic() < deadline:
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=_WAIT_SLICE_S)
+            if pause is not None:
+                pause(0)  # raises on a stop: whatever was launched is stopped with the rest
         try:
-            infos = ray.get(self.refs, timeout=self.supervisor.start_timeout_s + 60)
+            infos = ray.get(self.refs, timeout=0 if pending else None)
         except Exception as e:
             raise SluiceError(f"could not start {', '.join(p.spec.name for p in self.procs)}: {_reason(e)}") from None
         for proc, info in zip(self.procs, infos):

@@ -143,6 +143,31 @@ def test_a_restart_that_dies_before_it_binds_its_port_is_tried_again_within_the_
         sup.kill_all()
 
 
+def test_a_stop_while_processes_start_ends_the_wait_at_once(private_ray: None, tmp_path: Path) -> None:
+    """The launcher waits for the engines while they load their model (minutes for a large one); a stop signal then
+    must not wait for them to bind."""
+    class Stopped(Exception):
+        pass
+
+    sup = Supervisor(start_timeout_s=120)
+    never = ProcessSpec("slow", [sys.executable, "-c", "import time; time.sleep(600)"], str(tmp_path / "slow.log"),
+                        num_cpus=0.5, port_file=str(tmp_path / "slow.port"))  # never binds
+    asked = time.monotonic() + 2.0
+
+    def pause(_: float) -> None:
+        if time.monotonic() > asked:
+            raise Stopped
+
+    try:
+        pending = sup.launch([never], stop_last=True)
+        with pytest.raises(Stopped):
+            pending.wait(pause)
+        assert time.monotonic() - asked < 5  # not the 120 s the start may take
+        assert "slow" in sup.children  # supervised already: the stop that follows ends it
+    finally:
+        sup.kill_all()
+
+
 def test_a_process_that_is_not_restartable_is_reported_and_left_alone(private_ray: None, tmp_path: Path) -> None:
     sup = Supervisor()
     try:
