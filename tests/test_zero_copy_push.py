@@ -128,12 +128,16 @@ def test_large_tensors_go_out_of_their_own_memory_gathered_apart_from_the_copied
     assert packer.stats.tensors == len(named) and packer.stats.buckets == len(seen)
 
 
-def test_only_large_tensors_take_no_buffer_at_all_and_the_default_threshold_is_a_quarter_bucket() -> None:
+def test_only_large_tensors_take_no_buffer_at_all_and_the_default_threshold_follows_the_device() -> None:
     gen = torch.Generator().manual_seed(1)
     named = [(f"w{i}", torch.randn(1 << 18, generator=gen)) for i in range(5)]  # 1 MiB each
     slots = _CountingSlots(4 << 20)
     packer = BucketPacker(bucket_bytes=4 << 20, dtype=None, device=CPU, buffers=slots)
-    assert packer.zero_copy_bytes == 1 << 20  # a quarter of 4 MiB
+    assert packer.zero_copy_bytes == 1 << 20  # a sixteenth of 4 MiB is below the floor of 1 MiB
+    # A sixteenth of a bucket on CPU (copies are dear there), a quarter on GPU (copies are cheap, calls are not).
+    assert BucketPacker(bucket_bytes=64 << 20, dtype=None, device=CPU).zero_copy_bytes == 4 << 20
+    gpu = BucketPacker(bucket_bytes=512 << 20, dtype=None, device=torch.device("cuda"))
+    assert gpu.zero_copy_bytes == 128 << 20
     seen = _stream(packer, named)
     # A bucket's bytes of them under one announcement (one broadcast each), the rest, alone, as a flat bucket.
     assert [(names, last, zero) for names, last, zero, _, _ in seen] == [

@@ -203,14 +203,15 @@ class BucketPacker:
     """Casts named tensors to the wire dtype and packs them, in order, into flat buckets of ``bucket_bytes``; a large
     tensor already in the wire dtype goes out of its own memory instead (``zero_copy_bytes``).
 
-    ``zero_copy_bytes``: the smallest tensor sent zero-copy; None picks a quarter of a bucket, at least 1 MiB;
-    ``zero_copy=False`` copies every tensor. The default weighs what a zero-copy tensor saves against what it costs.
-    It saves both copies of its bytes: rank 0's cast into a bucket and, for an engine that receives in place, the
-    engine's copy into its model, together about 0.27 ms per MB on the 2-core CPU machine (a 64 MB bucket: 6 ms
-    packing, 9-13 ms engine copy; benchmarks/README.md). It costs up to two extra buckets, its own and the one closed
-    early before it, at 1-2 ms of announcement round trip each. A tensor of a quarter of the default 64 MB bucket
-    (16 MB, about 4 ms of copies) is the smallest that pays for that; one below 1 MiB never does, however small the
-    buckets a test or recipe picks.
+    ``zero_copy_bytes``: the smallest tensor sent zero-copy; None picks a sixteenth of a bucket on CPU and a quarter
+    on GPU, at least 1 MiB; ``zero_copy=False`` copies every tensor. The default weighs what a zero-copy tensor saves
+    against what it costs. It saves both copies of its bytes: rank 0's cast into a bucket and, for an engine that
+    receives in place, the engine's copy into its model, together about 0.27 ms per MB on the 2-core CPU machine.
+    Since runs and flat buckets are gathered apart, it costs its own broadcast and a share of its run's announcement,
+    no longer an early-closed bucket: on gloo a 4 MB tensor (a sixteenth of the default 64 MB bucket) saves about
+    1 ms for a fraction of that, and the bench's push then ran at 0.91-1.0 of the bare broadcast, where a quarter
+    bucket gave 0.76-0.93 (benchmarks/README.md). A GPU copies at hundreds of GB/s, so there a tensor pays for its
+    own NCCL call only when large: a quarter of the default 512 MB bucket. One below 1 MiB never pays.
     """
 
     def __init__(self, *, bucket_bytes: int, dtype: str | None, device: torch.device,
@@ -231,7 +232,8 @@ class BucketPacker:
         self.zero_copy_bytes: int | None = None
         """Tensors of at least this many bytes go out zero-copy when they qualify; None: every tensor is copied."""
         if zero_copy:
-            self.zero_copy_bytes = zero_copy_bytes or max(bucket_bytes // 4, ZERO_COPY_MIN_BYTES)
+            share = 16 if device.type == "cpu" else 4
+            self.zero_copy_bytes = zero_copy_bytes or max(bucket_bytes // share, ZERO_COPY_MIN_BYTES)
         # A pusher passes its own slots, so that the two buffers outlive one push: a fresh 64 MB buffer costs
         # more in page faults (measured: 0.11 s) than the copy into it (0.01 s).
         self.slots = buffers if buffers is not None else BucketSlots(slots, bucket_bytes, device)
