@@ -201,23 +201,21 @@ def wait_healthy(urls: list[str], timeout_s: float, pause: Callable[[float], Non
         raise EngineError(f"engines {pending} did not answer /health within {timeout_s:.0f}s; see their logs")
 
 
-def start_engines(cfg: SluiceConfig, sup: Supervisor, model_dir: Path, run_dir: Path,
-                  pause: Callable[[float], None] = time.sleep, *, hold: bool = False) -> list[str]:
-    """The CPU engines, each binding a port of its own choosing on the node Ray put it on; their URLs, healthy.
+def launch_engines(cfg: SluiceConfig, sup: Supervisor, model_dir: Path, run_dir: Path,
+                   pause: Callable[[float], None] = time.sleep, *, hold: bool = False) -> Callable[[], list[str]]:
+    """Set the CPU engines (or managed SGLang servers) going, each to bind a port of its own choosing on the node Ray
+    put it on; the returned call waits until they run and answer, and gives their URLs. Other processes start
+    meanwhile.
 
     ``hold``: they serve nothing until the trainer's first push (a resumed run's trainer pushes its weights at once;
     until then the engines hold only the starting model's). A restarted engine always holds.
     """
-    return launch_engines(cfg, sup, model_dir, run_dir, pause, hold=hold)()
-
-
-def launch_engines(cfg: SluiceConfig, sup: Supervisor, model_dir: Path, run_dir: Path,
-                   pause: Callable[[float], None] = time.sleep, *, hold: bool = False) -> Callable[[], list[str]]:
-    """``start_engines`` in two halves: the engines are set going now, and the returned call waits until they run
-    and answer, and gives their URLs. Other processes start meanwhile."""
     if cfg.engine.type == "sglang" and not cfg.engine.launch:
-        urls = list(cfg.engine.urls)
-        return lambda: (wait_healthy(urls, cfg.engine.startup_timeout_s, pause), urls)[1]
+        def external() -> list[str]:
+            wait_healthy(list(cfg.engine.urls), cfg.engine.startup_timeout_s, pause)
+            return list(cfg.engine.urls)
+
+        return external
     managed = cfg.engine.type == "sglang"
     specs = [(_sglang_spec if managed else _cpu_engine_spec)(cfg, i, model_dir, run_dir, hold)
              for i in range(cfg.engine.count)]
@@ -285,13 +283,19 @@ def _engine_restarted(sup: Supervisor, run_dir: Path, index: int, url: str) -> N
         return
     log.warning("engine-%d moved to %s; restarting the producers so that they use it", index, url)
     urls[index] = url
-    partial = path.with_suffix(".tmp")
-    partial.write_text(json.dumps(urls))
-    partial.rename(path)
+    write_engines(run_dir, urls)
     # Producers read engines.json when they start; the trainer's push rereads it before each push
     # (pipeline.sync.rotation) and re-syncs the engine at its new address.
     for name in [n for n in sup.children if n.startswith("producer-")]:
         sup.children[name].process.discard()
+
+
+def write_engines(run_dir: Path, urls: list[str]) -> None:
+    """``RUN_DIR/engines.json``, whole or not at all: trainer rank 0 reads it the moment it appears, producers when
+    they start."""
+    partial = run_dir / "engines.json.tmp"
+    partial.write_text(json.dumps(urls))
+    partial.rename(run_dir / "engines.json")
 
 
 def start_trainers(cfg: SluiceConfig, sup: Supervisor, run_dir: Path, placement: Any) -> list[str]:
@@ -433,8 +437,7 @@ def _start_children(cfg: SluiceConfig, sup: Supervisor, handle: RunHandle, model
                 or handle.queue.has_event("resume"))
     # The trainer ranks build their model while the engines load theirs: rank 0 waits for engines.json only when it
     # first needs the engines, and a file an earlier launch left must not be taken for this one's.
-    engines_file = run_dir / "engines.json"
-    engines_file.unlink(missing_ok=True)
+    (run_dir / "engines.json").unlink(missing_ok=True)
     engines_up = launch_engines(cfg, sup, model_dir, run_dir, pause, hold=resuming)
     start_trainers(cfg, sup, run_dir, placement)
     others = []
@@ -450,9 +453,7 @@ def _start_children(cfg: SluiceConfig, sup: Supervisor, handle: RunHandle, model
 
     adopt_engine_urls(urls, version=handle.queue.policy_version(), fresh=not resuming,
                       model_path=str(model_dir.resolve()))
-    partial = engines_file.with_suffix(".tmp")
-    partial.write_text(json.dumps(urls))
-    partial.rename(engines_file)  # whole or absent: the trainer's rank 0 reads it the moment it appears
+    write_engines(run_dir, urls)
     pause(0)
     sup.start([_spec(cfg, "producer", f"producer-{i}", ["producer", str(run_dir), f"producer-{i}"])
                for i in range(cfg.producers)])

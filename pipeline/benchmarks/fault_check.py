@@ -339,22 +339,26 @@ def collect(client: redis.Redis, prefix: str, run_dir: Path, tap: StreamTap, arc
     pending, last = _group(client, stream, "trainer")
     apending, alast = _group(client, stream, "archive")
     events = _xrange(client, f"{prefix}:events")
+    dead = _dead_lettered(client, prefix)
     ckpt = newest_checkpoint(run_dir)
     return RunRecord(
         tapped=dict(tap.entries), stream_ids={i for i, _ in _xrange(client, stream)},
         trainer_pending=pending, trainer_last=last,
-        deadletter_ids=_dead_lettered(client, prefix, "trainer"),
+        deadletter_ids=dead.get("trainer", set()),
         ledger=committed_ledger(run_dir, ckpt[0] if ckpt else -1),
         counter=int(client.get(f"{prefix}:policy_version") or 0),
         pushes=[int(e["version"]) for _, e in events if e.get("kind") == "weight_push"],
         event_checkpoints=[(int(e["step"]), int(e["version"])) for _, e in events if e.get("kind") == "checkpoint"],
         newest_checkpoint=ckpt, archive_rows=archived_rows(run_dir) if archive_on else None,
-        archive_pending=apending, archive_last=alast, archive_deadletter_ids=_dead_lettered(client, prefix, "archive"),
+        archive_pending=apending, archive_last=alast, archive_deadletter_ids=dead.get("archive", set()),
     )
 
 
-def _dead_lettered(client: redis.Redis, prefix: str, group: str) -> set[str]:
-    """The entries ``group`` dead-lettered for their content."""
-    return {f.get("entry_id", i) for i, f in _xrange(client, f"{prefix}:deadletter")
-            if f.get("group") == group and not f.get("reason", "").startswith(GONE_REASON)}
+def _dead_lettered(client: redis.Redis, prefix: str) -> dict[str, set[str]]:
+    """Per group, the entries it dead-lettered for their content."""
+    out: dict[str, set[str]] = {}
+    for i, f in _xrange(client, f"{prefix}:deadletter"):
+        if not f.get("reason", "").startswith(GONE_REASON):
+            out.setdefault(f.get("group", ""), set()).add(f.get("entry_id", i))
+    return out
 

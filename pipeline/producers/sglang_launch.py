@@ -1,7 +1,7 @@
 """``python -m pipeline.producers.sglang_launch``: start an SGLang server for a run, on a port chosen on its node.
 
 ``engine.launch = true`` makes each engine of a run an SGLang server that sluice starts as a Ray actor's child
-(``pipeline.launch.start_engines``), like a CPU engine. SGLang takes its HTTP port as a number and cannot report a port
+(``pipeline.launch.launch_engines``), like a CPU engine. SGLang takes its HTTP port as a number and cannot report a port
 the OS chose, so this wrapper, already on the node Ray placed it on, binds port 0 on the engine's address to learn a
 free port, writes it to ``--port-file`` (the actor reports it; the URL goes to ``RUN_DIR/engines.json``), closes the
 socket and replaces itself with the server (``os.execv``: the same PID, so the supervisor's signals and the reaper

@@ -209,9 +209,10 @@ class BucketPacker:
     receives in place, the engine's copy into its model, together about 0.27 ms per MB on the 2-core CPU machine.
     Since runs and flat buckets are gathered apart, it costs its own broadcast and a share of its run's announcement,
     no longer an early-closed bucket: on gloo a 4 MB tensor (a sixteenth of the default 64 MB bucket) saves about
-    1 ms for a fraction of that, and the bench's push then ran at 0.91-1.0 of the bare broadcast, where a quarter
-    bucket gave 0.76-0.93 (benchmarks/README.md). A GPU copies at hundreds of GB/s, so there a tensor pays for its
-    own NCCL call only when large: a quarter of the default 512 MB bucket. One below 1 MiB never pays.
+    1 ms for a fraction of that, and the bench's push then ran at 0.84-1.23 of the bare broadcast (500 MB to 2 GB),
+    where a quarter bucket gave 0.76-0.93 (benchmarks/README.md). A GPU copies at hundreds of GB/s, so there a
+    tensor pays for its own NCCL call only when large: a quarter of the default 512 MB bucket. One below 1 MiB never
+    pays.
     """
 
     def __init__(self, *, bucket_bytes: int, dtype: str | None, device: torch.device,

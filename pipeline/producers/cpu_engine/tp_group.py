@@ -65,12 +65,13 @@ class TpWeightGroup:
         else:
             with ThreadPoolExecutor(len(self.members), thread_name_prefix="sluice-tp-rank") as pool:
                 futures = [pool.submit(receive, m, names, dtypes, shapes) for m in self.members]
-                failed = [f.exception() for f in futures if f.exception() is not None]
-                if failed:
-                    for f in futures:  # what the other ranks received goes back to the pool
-                        if f.exception() is None:
+                errors = [f.exception() for f in futures]
+                failed = next((e for e in errors if e is not None), None)
+                if failed is not None:
+                    for f, e in zip(futures, errors):  # what the other ranks received goes back to the pool
+                        if e is None:
                             recycle(f.result())
-                    raise failed[0]
+                    raise failed
                 got = [f.result() for f in futures]
         for rank, tensors in enumerate(got):
             self.bytes_received[rank] += sum(t.numel() * t.element_size() for _, t in tensors)
