@@ -32,6 +32,7 @@ from pipeline.errors import SyncError
 from pipeline.models.tiny import init_tiny_model
 from pipeline.producers.sglang_client import NO_RETRY, SGLangClient
 from pipeline.queue.redis_server import free_port
+from pipeline.sync.base import EngineReply
 from pipeline.sync.packing import ZERO_COPY_MIN_BYTES, BucketPacker, BucketSlots
 from pipeline.sync.weights import WeightPusher
 
@@ -515,3 +516,47 @@ def test_a_bucket_that_fails_to_load_keeps_the_label_though_a_later_bucket_carri
         served.stop()
     assert buckets > 2  # the failing bucket (the first, of several tensors: loaded from buffers) was not the last
     assert failed == "0" and after == "8"
+
+
+class _RefusingBegin(SGLangClient):
+    """A real client whose engine refuses to open its update window while ``refuse`` is set."""
+
+    refuse = True
+
+    async def begin_weight_update(self) -> Any:
+        if self.refuse:
+            return EngineReply(False, "injected: this engine refuses the update window")
+        return await super().begin_weight_update()
+
+
+@pytest.mark.slow
+def test_an_engine_that_refuses_begin_leaves_no_other_engines_window_open(tmp_path: Path) -> None:
+    """Every engine is asked to open its window at once; when one refuses, those that opened theirs must be closed
+    again, or they answer announcements of no push and keep the window's state into the next."""
+    model_dir = init_tiny_model("qwen3", tmp_path / "model", seed=0)
+    weights = [(n, t.clone()) for n, t in sorted(load_file(str(model_dir / "model.safetensors")).items())]
+    served = [_ServedEngine(model_dir), _ServedEngine(model_dir)]
+
+    async def scenario() -> tuple[list[bool], list[str]]:
+        opener, refuser = SGLangClient(served[0].url, retry=NO_RETRY), _RefusingBegin(served[1].url, retry=NO_RETRY)
+        pusher = await WeightPusher.connect([opener, refuser], master_address="127.0.0.1", backend="gloo",
+                                            timeout_s=60, bucket_bytes=64 * KB)
+        try:
+            with pytest.raises(SyncError, match="refuses the update window"):
+                await pusher.push(weights, 1)
+            windows = [s.engine.update_window_open for s in served]
+            refuser.refuse = False
+            await pusher.push(weights, 2)  # the group is whole: nothing was announced
+            return windows, [str(await c.weight_version()) for c in (opener, refuser)]
+        finally:
+            await pusher.close()
+            for c in (opener, refuser):
+                await c.close()
+
+    try:
+        windows, versions = asyncio.run(scenario())
+    finally:
+        for s in served:
+            s.stop()
+    assert windows == [False, False]
+    assert versions == ["2", "2"]
