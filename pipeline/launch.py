@@ -434,7 +434,7 @@ def _start_children(cfg: SluiceConfig, sup: Supervisor, handle: RunHandle, model
     placement = trainer_placement(cfg)
     # A trainer that started before (``Trainer.resume``) may have left the engines half-pushed: not a fresh start.
     resuming = (latest_checkpoint(run_dir / "checkpoints") is not None or handle.queue.policy_version() > 0
-                or handle.queue.has_event("resume"))
+                or handle.queue.trainer_started_before())
     # The trainer ranks build their model while the engines load theirs: rank 0 waits for engines.json only when it
     # first needs the engines, and a file an earlier launch left must not be taken for this one's.
     (run_dir / "engines.json").unlink(missing_ok=True)

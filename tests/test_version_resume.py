@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from pipeline.consumers.trainer import RedisClock
-from pipeline.queue.redis_streams import SampleQueue
+from pipeline.queue.redis_streams import RESUME_EVENT, SampleQueue
 
 ROOT = Path(__file__).parent.parent
 
@@ -36,9 +36,9 @@ def test_a_trainer_that_started_before_is_not_a_fresh_start_even_at_version_0(qu
     clock = RedisClock(queue)
     for i in range(2500):  # a long run's events: the search pages through them
         queue.log_event("weight_push", version=i)
-    assert not clock.started_before() and not queue.has_event("resume", chunk=100)
-    queue.log_event("resume", step=0, version=0)
-    assert clock.started_before() and queue.has_event("resume", chunk=100)
+    assert not clock.started_before() and not queue.has_event(RESUME_EVENT, chunk=100)
+    queue.log_event(RESUME_EVENT, step=0, version=0)
+    assert clock.started_before() and queue.has_event(RESUME_EVENT, chunk=100)
     assert clock.get() == 0  # the counter alone would have called this a fresh start
 
 

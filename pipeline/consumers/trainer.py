@@ -35,7 +35,7 @@ from pipeline.consumers.profiling import StepProfiler
 from pipeline.consumers.staleness import lag_histogram
 from pipeline.errors import SyncError
 from pipeline.queue.codec import decode_samples, encode_samples
-from pipeline.queue.redis_streams import SampleQueue
+from pipeline.queue.redis_streams import RESUME_EVENT, SampleQueue
 from pipeline.queue.sample import Sample
 from pipeline.sync.packing import PackedBucket
 
@@ -109,8 +109,7 @@ class RedisClock:
         self.queue.log_event(kind, **fields)
 
     def started_before(self) -> bool:
-        """Whether a trainer of this run got as far as its resume before (its "resume" event)."""
-        return self.queue.has_event("resume")
+        return self.queue.trainer_started_before()
 
     def restored(self, version: int, base: int) -> None:
         """``version`` (the next push) holds the weights of ``base``: the drain judges lags along the lineage."""
@@ -279,7 +278,7 @@ class Trainer:
                 # checkpoint's version, or 0 (the starting weights). Samples are judged by their distance from those,
                 # not by the counter (docs/versions.md).
                 self.clock.restored(self.version + 1, checkpoint_version)
-            self.clock.event("resume", step=self.step, version=self.version, recovered=str(recovery), held=held)
+            self.clock.event(RESUME_EVENT, step=self.step, version=self.version, recovered=str(recovery), held=held)
         else:
             needs_resync = False
         needs_resync = bool(self._share({"resync": needs_resync})["resync"])

@@ -123,6 +123,8 @@ def _fields(flat: Sequence[Any] | None) -> dict[str, bytes] | None:
     return {_s(flat[i]): flat[i + 1] for i in range(0, len(flat), 2)}
 
 
+#: The event a trainer logs once it has resumed (or started fresh): a run that holds one is never a fresh start again.
+RESUME_EVENT = "resume"
 GONE_REASON = "entry no longer exists in the stream (deleted or trimmed before it was acked)"
 """The dead-letter reason of an entry a group had delivered but that was gone when read again: not a bad entry, but
 one the stream lost (an audit counts it as lost)."""
@@ -419,6 +421,11 @@ class SampleQueue:
             if len(batch) < chunk:
                 return False
             start = "(" + _s(batch[-1][0])
+
+    def trainer_started_before(self) -> bool:
+        """Whether a trainer of this run got as far as its resume (its ``RESUME_EVENT``): a trainer killed in its
+        first push leaves version 0 and no checkpoint, but engines half-pushed."""
+        return self.has_event(RESUME_EVENT)
 
     def stats(self) -> QueueStats:
         k = self.keys
