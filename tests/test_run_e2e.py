@@ -104,23 +104,59 @@ def test_sluice_run_survives_kill_9_of_trainer_and_producer(tmp_path: Path) -> N
     assert not left, f"processes of the run still alive: {left}"
 
 
-def test_sluice_run_with_two_expert_parallel_trainer_ranks(tmp_path: Path) -> None:
+def _trainer_rank(run_dir: Path, rank: int) -> psutil.Process | None:
+    for p in run_processes(run_dir).values():
+        try:
+            cmd, env = p.cmdline(), p.environ()
+        except psutil.Error:
+            continue
+        if "pipeline.host_reaper" not in cmd and "pipeline.processes" in cmd and "trainer" in cmd \
+                and env.get("RANK") == str(rank):
+            return p
+    return None
+
+
+def test_sluice_run_with_two_expert_parallel_trainer_ranks_survives_kill_9_of_rank_1(tmp_path: Path) -> None:
+    """Rank 0 gathers rank 1's experts for every push. Rank 1 is killed after the first checkpoint: rank 0's next
+    collective fails, the launcher restarts both ranks as one group, they resume from the checkpoint, and the run
+    finishes with every sample trained once."""
     run_dir = tmp_path / "ep2"
     cmd = [sys.executable, "-m", "pipeline.cli", "run", "recipes/cpu-moe.toml", "--run-dir", str(run_dir),
            "--steps", "6", "--set", "trainer.world_size=2", "--set", "trainer.ep=2",
            "--set", "warmstart.enabled=false", "--set", "eval.heldout.enabled=false", "--set", "trainer.batch_groups=4",
            "--set", "filters.zero_variance=false",
            "--set", "trainer.checkpoint_every=3"]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    log = tmp_path / "launcher.log"
+    out = open(log, "wb")  # noqa: SIM115 - the child keeps it
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        deadline = time.monotonic() + 400
+        while len(_steps(run_dir)) < 4 or not (run_dir / "checkpoints" / "step-00000003").exists():
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "no training progress:\n" + log.read_text()[-3000:]
+            time.sleep(0.1)
+        victim = _trainer_rank(run_dir, 1)
+        assert victim is not None
+        victim.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        out.close()
+    assert "restarting the trainer group" in log.read_text()
+    placements = [json.loads(x)["name"] for x in (run_dir / "logs" / "placements.jsonl").read_text().splitlines()]
+    assert placements.count("trainer-0") >= 2 and placements.count("trainer-1") >= 2, placements  # both restarted
     handle = open_run(run_dir=run_dir)
     try:
         audit = audit_trainer(handle.queue, run_dir)
         assert audit.committed_step == 6 and audit.duplicates == 0 and audit.lost == 0 and audit.trained > 0
-        # Rank 0 gathered the other rank's experts for every push, and the engine took them all.
+        # Every push, before and after the restart, was confirmed by the engine.
         pushes = [e for e in handle.queue.events() if e["kind"] == "weight_push"]
         assert len(pushes) >= 6 and all(e["engines"] == "1" for e in pushes)
+        resumes = [e for e in handle.queue.events() if e["kind"] == "resume"]
+        assert [e["step"] for e in resumes][-1] == "3", resumes
     finally:
         handle.close(stop_server=True)
     assert sorted(p.name for p in (run_dir / "logs").glob("trainer-*.log")) == ["trainer-0.log", "trainer-1.log"]

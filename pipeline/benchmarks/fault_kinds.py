@@ -13,6 +13,8 @@ fraction of a second more and kills with SIGKILL. What each kind observes to hit
   continued (SIGCONT) right after. If the trainer blocks elsewhere first (no data left to drain), the kill lands
   outside the push and the trial says so.
 - ``ray-node``: the node that holds the trainer is removed from the two-node cluster, and a new one added 3 s later.
+- ``trainer-rank``: the trial trains with two expert-parallel ranks, and rank 1 is killed after a drawn step. Every
+  collective of rank 0 then fails or times out, and the launcher must restart the two ranks as one group.
 
 The victims are found by the ``SLUICE_RUN_DIR`` the launcher gives each process of the run and by their command line
 (the process itself, never its reaper or Ray's workers).
@@ -35,7 +37,7 @@ import psutil
 import redis
 
 KINDS = ("producer", "engine", "trainer-step", "trainer-checkpoint", "trainer-push", "archiver", "evaluator", "redis",
-         "ray-node")
+         "ray-node", "trainer-rank")
 
 
 @dataclass
@@ -89,12 +91,14 @@ def rows(run_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
-def find_process(run_dir: Path, role: str) -> psutil.Process | None:
-    """The run's process of ``role`` (producer, trainer, evaluator, archiver, engine), not its reaper."""
+def find_process(run_dir: Path, role: str, rank: int | None = None) -> psutil.Process | None:
+    """The run's process of ``role`` (producer, trainer, evaluator, archiver, engine), not its reaper; of a trainer,
+    the one of ``rank`` if given."""
     want = str(run_dir.resolve())
     for p in psutil.process_iter():
         try:
-            if p.environ().get("SLUICE_RUN_DIR") != want:
+            env = p.environ()
+            if env.get("SLUICE_RUN_DIR") != want or (rank is not None and env.get("RANK") != str(rank)):
                 continue
             cmd = p.cmdline()
         except psutil.Error:
@@ -137,12 +141,15 @@ def _after_random_step(t: Target, max_delay_s: float) -> tuple[int, float, bool]
     return k, delay, True
 
 
-def kill_role(role: str) -> Callable[[Target], Injection]:
+def kill_role(role: str, rank: int | None = None) -> Callable[[Target], Injection]:
+    victim = role if rank is None else f"{role} rank {rank}"
+
     def inject(t: Target) -> Injection:
         k, delay, reached = _after_random_step(t, 1.0)
         if not reached:
             return Injection(note=f"the run ended before step {k}")
-        return _kill(find_process(t.run_dir, role), len(rows(t.run_dir)), role, f"after step {k} + {delay:.2f}s")
+        return _kill(find_process(t.run_dir, role, rank), len(rows(t.run_dir)), victim,
+                     f"after step {k} + {delay:.2f}s")
     return inject
 
 
@@ -230,12 +237,13 @@ INJECTORS: dict[str, Callable[[Target], Injection]] = {
     "evaluator": kill_role("evaluator"),
     "redis": kill_redis,
     "ray-node": remove_node,
+    "trainer-rank": kill_role("trainer", rank=1),
 }
 
 #: The process the supervisor restarts after each kind (its next line in placements.jsonl), if any.
 RESTARTED = {"producer": "producer-0", "engine": "engine-0", "trainer-step": "trainer-0",
              "trainer-checkpoint": "trainer-0", "trainer-push": "trainer-0", "archiver": "archiver",
-             "evaluator": "evaluator", "ray-node": "trainer-0"}
+             "evaluator": "evaluator", "ray-node": "trainer-0", "trainer-rank": "trainer-1"}
 
 
 def restarted_at(run_dir: Path, name: str, after: float) -> float | None:
