@@ -13,6 +13,8 @@ fraction of a second more and kills with SIGKILL. What each kind observes to hit
   continued (SIGCONT) right after. If the trainer blocks elsewhere first (no data left to drain), the kill lands
   outside the push and the trial says so.
 - ``ray-node``: the node that holds the trainer is removed from the two-node cluster, and a new one added 3 s later.
+- ``trainer-engine``: two faults at once: the engine and the trainer are killed together. The restarted trainer's
+  resync push then meets an engine that is loading again.
 - ``trainer-rank``: the trial trains with two expert-parallel ranks, and rank 1 is killed after a drawn step. Every
   collective of rank 0 then fails or times out, and the launcher must restart the two ranks as one group.
 
@@ -37,7 +39,7 @@ import psutil
 import redis
 
 KINDS = ("producer", "engine", "trainer-step", "trainer-checkpoint", "trainer-push", "archiver", "evaluator", "redis",
-         "ray-node", "trainer-rank")
+         "ray-node", "trainer-rank", "trainer-engine")
 
 
 @dataclass
@@ -153,6 +155,19 @@ def kill_role(role: str, rank: int | None = None) -> Callable[[Target], Injectio
     return inject
 
 
+def kill_trainer_and_engine(t: Target) -> Injection:
+    k, delay, reached = _after_random_step(t, 1.0)
+    if not reached:
+        return Injection(note=f"the run ended before step {k}")
+    engine, trainer = find_process(t.run_dir, "engine"), find_process(t.run_dir, "trainer")
+    step = len(rows(t.run_dir))
+    first = _kill(engine, step, "engine")
+    second = _kill(trainer, step, "trainer")
+    notes = [i.note for i in (first, second) if i.note]
+    return Injection(at=first.at or second.at, step=step, landed=first.landed and second.landed,
+                     victim="engine and trainer", note="; ".join([f"after step {k} + {delay:.2f}s", *notes]))
+
+
 def kill_in_checkpoint(t: Target) -> Injection:
     commits = [s for s in range(t.checkpoint_every, t.steps, t.checkpoint_every)]
     step = t.rng.choice(commits[:-1] or commits)
@@ -238,12 +253,14 @@ INJECTORS: dict[str, Callable[[Target], Injection]] = {
     "redis": kill_redis,
     "ray-node": remove_node,
     "trainer-rank": kill_role("trainer", rank=1),
+    "trainer-engine": kill_trainer_and_engine,
 }
 
 #: The process the supervisor restarts after each kind (its next line in placements.jsonl), if any.
 RESTARTED = {"producer": "producer-0", "engine": "engine-0", "trainer-step": "trainer-0",
              "trainer-checkpoint": "trainer-0", "trainer-push": "trainer-0", "archiver": "archiver",
-             "evaluator": "evaluator", "ray-node": "trainer-0", "trainer-rank": "trainer-1"}
+             "evaluator": "evaluator", "ray-node": "trainer-0", "trainer-rank": "trainer-1",
+             "trainer-engine": "trainer-0"}
 
 
 def restarted_at(run_dir: Path, name: str, after: float) -> float | None:

@@ -59,7 +59,7 @@ class FaultsBenchParams:
 
     kinds: str = ",".join(KINDS)
     """Comma-separated fault kinds: producer, engine, trainer-step, trainer-checkpoint, trainer-push, archiver,
-    evaluator, redis, ray-node, trainer-rank."""
+    evaluator, redis, ray-node, trainer-rank, trainer-engine."""
     trials: int = 2
     """Trials per kind (seeds seed, seed+1, ...)."""
     seed: int = 0
@@ -269,12 +269,12 @@ def _check_into(result: TrialResult, run_dir: Path, cluster: _Cluster | None, ta
 
 
 def recovery(run_dir: Path, kind: str, at: float) -> tuple[float | None, float | None]:
-    """(kill -> next trained step, kill -> the victim's restart). When the victim is the trainer, the next trained
+    """(kill -> next trained step, kill -> the victim's restart). When the victim is a trainer rank, the next trained
     step is the restarted trainer's first: a row the dying one still wrote (a removed node's processes die a moment
-    after the node) is no recovery."""
+    after the node, rank 0 may finish a row after rank 1 died) is no recovery."""
     name = RESTARTED.get(kind)
     again = restarted_at(run_dir, name, at) if name else None
-    since = again if again is not None and name == "trainer-0" else at
+    since = again if again is not None and name.startswith("trainer-") else at
     after = [r["time"] for r in rows(run_dir) if r["time"] > since]
     return (round(min(after) - at, 2) if after else None), (round(again - at, 2) if again else None)
 
