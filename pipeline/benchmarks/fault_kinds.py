@@ -17,6 +17,7 @@ fraction of a second more and kills with SIGKILL. What each kind observes to hit
   resync push then meets an engine that is loading again.
 - ``trainer-rank``: the trial trains with two expert-parallel ranks, and rank 1 is killed after a drawn step. Every
   collective of rank 0 then fails or times out, and the launcher must restart the two ranks as one group.
+  ``trainer-rank0`` kills rank 0 of the two instead: the rank that hosts the group's store and pushes the weights.
 
 The victims are found by the ``SLUICE_RUN_DIR`` the launcher gives each process of the run and by their command line
 (the process itself, never its reaper or Ray's workers).
@@ -39,7 +40,7 @@ import psutil
 import redis
 
 KINDS = ("producer", "engine", "trainer-step", "trainer-checkpoint", "trainer-push", "archiver", "evaluator", "redis",
-         "ray-node", "trainer-rank", "trainer-engine")
+         "ray-node", "trainer-rank", "trainer-rank0", "trainer-engine")
 
 
 @dataclass
@@ -253,6 +254,7 @@ INJECTORS: dict[str, Callable[[Target], Injection]] = {
     "redis": kill_redis,
     "ray-node": remove_node,
     "trainer-rank": kill_role("trainer", rank=1),
+    "trainer-rank0": kill_role("trainer", rank=0),
     "trainer-engine": kill_trainer_and_engine,
 }
 
@@ -260,7 +262,7 @@ INJECTORS: dict[str, Callable[[Target], Injection]] = {
 RESTARTED = {"producer": "producer-0", "engine": "engine-0", "trainer-step": "trainer-0",
              "trainer-checkpoint": "trainer-0", "trainer-push": "trainer-0", "archiver": "archiver",
              "evaluator": "evaluator", "ray-node": "trainer-0", "trainer-rank": "trainer-1",
-             "trainer-engine": "trainer-0"}
+             "trainer-rank0": "trainer-0", "trainer-engine": "trainer-0"}
 
 
 def restarted_at(run_dir: Path, name: str, after: float) -> float | None:

@@ -59,7 +59,7 @@ class FaultsBenchParams:
 
     kinds: str = ",".join(KINDS)
     """Comma-separated fault kinds: producer, engine, trainer-step, trainer-checkpoint, trainer-push, archiver,
-    evaluator, redis, ray-node, trainer-rank, trainer-engine."""
+    evaluator, redis, ray-node, trainer-rank, trainer-rank0, trainer-engine."""
     trials: int = 2
     """Trials per kind (seeds seed, seed+1, ...)."""
     seed: int = 0
@@ -119,7 +119,7 @@ def overrides(p: FaultsBenchParams, seed: int, kind: str) -> list[str]:
         sets += ["ray.engine.resources={rollout=1}", "ray.producer.resources={rollout=1}",
                  "ray.archiver.resources={rollout=1}", "ray.evaluator.resources={rollout=1}",
                  "ray.trainer.resources={train=1}"]
-    if kind == "trainer-rank":  # two ranks, each with half the experts (tests/test_run_e2e.py runs the same)
+    if kind in ("trainer-rank", "trainer-rank0"):  # two ranks, half the experts each (as tests/test_run_e2e.py)
         sets += ["trainer.world_size=2", "trainer.ep=2"]
     return sets
 
