@@ -30,11 +30,14 @@ def is_role(p: psutil.Process) -> bool:
     return "pipeline.host_reaper" not in cmd and ("pipeline.processes" in cmd or "pipeline.producers.cpu_engine" in cmd)
 
 
-def find_role(run_dir: Path, role: str, name: str | None = None) -> psutil.Process | None:
-    """The process of ``pipeline.processes ROLE`` (optionally the one named ``name``), not its reaper."""
+def find_role(run_dir: Path, role: str, name: str | None = None, rank: int | None = None) -> psutil.Process | None:
+    """The process of ``pipeline.processes ROLE`` (optionally the one named ``name``, or of a trainer the one of
+    ``rank``), not its reaper."""
     for p in run_processes(run_dir).values():
         try:
             cmd = p.cmdline()
+            if rank is not None and p.environ().get("RANK") != str(rank):
+                continue
         except psutil.Error:
             continue
         if "pipeline.host_reaper" in cmd or "pipeline.processes" not in cmd:

@@ -17,6 +17,7 @@ from runprocs import alive, find_role, run_processes
 
 from pipeline.consumers.audit import audit_trainer
 from pipeline.queue.archive import ArchiveReader
+from pipeline.queue.redis_streams import RESUME_EVENT
 from pipeline.queue.rundir import open_run
 
 pytestmark = pytest.mark.slow
@@ -25,8 +26,15 @@ STEPS = 12
 
 
 def _steps(run_dir: Path) -> list[dict]:
+    """The trainer's rows so far; read while it trains, so a last line still being written is left out."""
     path = run_dir / "metrics" / "trainer.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    rows = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            break
+    return rows
 
 
 def test_sluice_run_survives_kill_9_of_trainer_and_producer(tmp_path: Path) -> None:
@@ -104,18 +112,6 @@ def test_sluice_run_survives_kill_9_of_trainer_and_producer(tmp_path: Path) -> N
     assert not left, f"processes of the run still alive: {left}"
 
 
-def _trainer_rank(run_dir: Path, rank: int) -> psutil.Process | None:
-    for p in run_processes(run_dir).values():
-        try:
-            cmd, env = p.cmdline(), p.environ()
-        except psutil.Error:
-            continue
-        if "pipeline.host_reaper" not in cmd and "pipeline.processes" in cmd and "trainer" in cmd \
-                and env.get("RANK") == str(rank):
-            return p
-    return None
-
-
 def test_sluice_run_with_two_expert_parallel_trainer_ranks_survives_kill_9_of_rank_1(tmp_path: Path) -> None:
     """Rank 0 gathers rank 1's experts for every push. Rank 1 is killed after the first checkpoint: rank 0's next
     collective fails, the launcher restarts both ranks as one group, they resume from the checkpoint, and the run
@@ -130,15 +126,22 @@ def test_sluice_run_with_two_expert_parallel_trainer_ranks_survives_kill_9_of_ra
     out = open(log, "wb")  # noqa: SIM115 - the child keeps it
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
+    checkpoints = run_dir / "checkpoints"
     try:
         deadline = time.monotonic() + 400
-        while len(_steps(run_dir)) < 4 or not (run_dir / "checkpoints" / "step-00000003").exists():
+        while not (checkpoints / "step-00000003").exists():
             assert proc.poll() is None, log.read_text()[-3000:]
             assert time.monotonic() < deadline, "no training progress:\n" + log.read_text()[-3000:]
-            time.sleep(0.1)
-        victim = _trainer_rank(run_dir, 1)
-        assert victim is not None
-        victim.send_signal(signal.SIGKILL)
+            time.sleep(0.02)
+        rank0, victim = find_role(run_dir, "trainer", rank=0), find_role(run_dir, "trainer", rank=1)
+        assert rank0 is not None and victim is not None
+        # Rank 0 held still, so the kill lands between the two saves: steps go by in a fraction of a second here.
+        rank0.send_signal(signal.SIGSTOP)
+        try:
+            assert not [p.name for p in checkpoints.iterdir() if p.name.startswith("step-00000006")]
+            victim.send_signal(signal.SIGKILL)
+        finally:
+            rank0.send_signal(signal.SIGCONT)
         assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
     finally:
         if proc.poll() is None:
@@ -155,7 +158,7 @@ def test_sluice_run_with_two_expert_parallel_trainer_ranks_survives_kill_9_of_ra
         # Every push, before and after the restart, was confirmed by the engine.
         pushes = [e for e in handle.queue.events() if e["kind"] == "weight_push"]
         assert len(pushes) >= 6 and all(e["engines"] == "1" for e in pushes)
-        resumes = [e for e in handle.queue.events() if e["kind"] == "resume"]
+        resumes = [e for e in handle.queue.events() if e["kind"] == RESUME_EVENT]
         assert [e["step"] for e in resumes][-1] == "3", resumes
     finally:
         handle.close(stop_server=True)

@@ -519,14 +519,26 @@ def test_a_bucket_that_fails_to_load_keeps_the_label_though_a_later_bucket_carri
 
 
 class _RefusingBegin(SGLangClient):
-    """A real client whose engine refuses to open its update window while ``refuse`` is set."""
+    """A real client whose engine refuses to open its update window while ``refuse`` is set (the refusal is made
+    here, so that engine never sees the request)."""
 
-    refuse = True
+    refuse: bool = True
 
-    async def begin_weight_update(self) -> Any:
+    async def begin_weight_update(self) -> EngineReply:
         if self.refuse:
             return EngineReply(False, "injected: this engine refuses the update window")
         return await super().begin_weight_update()
+
+
+class _RecordingBegin(SGLangClient):
+    """A real client that remembers its engine's answers to ``/begin_weight_update``."""
+
+    begun: list[bool]
+
+    async def begin_weight_update(self) -> EngineReply:
+        reply = await super().begin_weight_update()
+        self.begun.append(reply.success)
+        return reply
 
 
 @pytest.mark.slow
@@ -537,26 +549,28 @@ def test_an_engine_that_refuses_begin_leaves_no_other_engines_window_open(tmp_pa
     weights = [(n, t.clone()) for n, t in sorted(load_file(str(model_dir / "model.safetensors")).items())]
     served = [_ServedEngine(model_dir), _ServedEngine(model_dir)]
 
-    async def scenario() -> tuple[list[bool], list[str]]:
-        opener, refuser = SGLangClient(served[0].url, retry=NO_RETRY), _RefusingBegin(served[1].url, retry=NO_RETRY)
+    async def scenario() -> tuple[list[bool], list[bool], list[str]]:
+        opener, refuser = _RecordingBegin(served[0].url, retry=NO_RETRY), _RefusingBegin(served[1].url, retry=NO_RETRY)
+        opener.begun = []
         pusher = await WeightPusher.connect([opener, refuser], master_address="127.0.0.1", backend="gloo",
                                             timeout_s=60, bucket_bytes=64 * KB)
         try:
             with pytest.raises(SyncError, match="refuses the update window"):
                 await pusher.push(weights, 1)
-            windows = [s.engine.update_window_open for s in served]
+            windows, begun = [s.engine.update_window_open for s in served], list(opener.begun)
             refuser.refuse = False
             await pusher.push(weights, 2)  # the group is whole: nothing was announced
-            return windows, [str(await c.weight_version()) for c in (opener, refuser)]
+            return begun, windows, [str(await c.weight_version()) for c in (opener, refuser)]
         finally:
             await pusher.close()
             for c in (opener, refuser):
                 await c.close()
 
     try:
-        windows, versions = asyncio.run(scenario())
+        begun, windows, versions = asyncio.run(scenario())
     finally:
         for s in served:
             s.stop()
-    assert windows == [False, False]
+    assert begun == [True]  # the first engine did open its window in the failed push
+    assert windows[0] is False
     assert versions == ["2", "2"]

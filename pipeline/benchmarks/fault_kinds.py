@@ -144,6 +144,14 @@ def _after_random_step(t: Target, max_delay_s: float) -> tuple[int, float, bool]
     return k, delay, True
 
 
+def _in_training(t: Target, inj: Injection) -> Injection:
+    """A kill after the trainer's last row hit a run with nothing left to train: it did not land."""
+    if inj.landed and inj.step >= t.steps:
+        inj.landed = False
+        inj.note += "; after the last step (nothing left to train)"
+    return inj
+
+
 def kill_role(role: str, rank: int | None = None) -> Callable[[Target], Injection]:
     victim = role if rank is None else f"{role} rank {rank}"
 
@@ -151,8 +159,8 @@ def kill_role(role: str, rank: int | None = None) -> Callable[[Target], Injectio
         k, delay, reached = _after_random_step(t, 1.0)
         if not reached:
             return Injection(note=f"the run ended before step {k}")
-        return _kill(find_process(t.run_dir, role, rank), len(rows(t.run_dir)), victim,
-                     f"after step {k} + {delay:.2f}s")
+        return _in_training(t, _kill(find_process(t.run_dir, role, rank), len(rows(t.run_dir)), victim,
+                                     f"after step {k} + {delay:.2f}s"))
     return inject
 
 
@@ -160,13 +168,14 @@ def kill_trainer_and_engine(t: Target) -> Injection:
     k, delay, reached = _after_random_step(t, 1.0)
     if not reached:
         return Injection(note=f"the run ended before step {k}")
-    engine, trainer = find_process(t.run_dir, "engine"), find_process(t.run_dir, "trainer")
+    engine, trainer = find_process(t.run_dir, "engine"), find_process(t.run_dir, "trainer", rank=0)
     step = len(rows(t.run_dir))
     first = _kill(engine, step, "engine")
     second = _kill(trainer, step, "trainer")
     notes = [i.note for i in (first, second) if i.note]
-    return Injection(at=first.at or second.at, step=step, landed=first.landed and second.landed,
-                     victim="engine and trainer", note="; ".join([f"after step {k} + {delay:.2f}s", *notes]))
+    return _in_training(t, Injection(at=first.at or second.at, step=step, landed=first.landed and second.landed,
+                                     victim="engine and trainer",
+                                     note="; ".join([f"after step {k} + {delay:.2f}s", *notes])))
 
 
 def kill_in_checkpoint(t: Target) -> Injection:
@@ -228,7 +237,7 @@ def kill_redis(t: Target) -> Injection:
     p = psutil.Process(int(state["pid"]))
     if "redis" not in p.name():
         return Injection(note=f"pid {p.pid} in redis.json is {p.name()}, not a redis-server")
-    return _kill(p, len(rows(t.run_dir)), "redis", f"after step {k} + {delay:.2f}s")
+    return _in_training(t, _kill(p, len(rows(t.run_dir)), "redis", f"after step {k} + {delay:.2f}s"))
 
 
 def remove_node(t: Target) -> Injection:
@@ -239,8 +248,8 @@ def remove_node(t: Target) -> Injection:
     at = time.time()
     time.sleep(3.0)  # the supervisor sees its trainer lost and waits for a place to restart it
     t.worker = t.cluster.add_node(num_cpus=2, resources={"train": 2})
-    return Injection(at=at, step=len(rows(t.run_dir)), landed=True, victim="trainer node",
-                     note=f"after step {k} + {delay:.2f}s; a new node 3 s later")
+    return _in_training(t, Injection(at=at, step=len(rows(t.run_dir)), landed=True, victim="trainer node",
+                                     note=f"after step {k} + {delay:.2f}s; a new node 3 s later"))
 
 
 INJECTORS: dict[str, Callable[[Target], Injection]] = {

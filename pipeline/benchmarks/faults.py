@@ -274,7 +274,7 @@ def recovery(run_dir: Path, kind: str, at: float) -> tuple[float | None, float |
     after the node, rank 0 may finish a row after rank 1 died) is no recovery."""
     name = RESTARTED.get(kind)
     again = restarted_at(run_dir, name, at) if name else None
-    since = again if again is not None and name.startswith("trainer-") else at
+    since = again if again is not None and name is not None and name.startswith("trainer-") else at
     after = [r["time"] for r in rows(run_dir) if r["time"] > since]
     return (round(min(after) - at, 2) if after else None), (round(again - at, 2) if again else None)
 

@@ -109,6 +109,7 @@ class RedisClock:
         self.queue.log_event(kind, **fields)
 
     def started_before(self) -> bool:
+        """Whether a trainer of this run got as far as its resume before (``SampleQueue.trainer_started_before``)."""
         return self.queue.trainer_started_before()
 
     def restored(self, version: int, base: int) -> None:

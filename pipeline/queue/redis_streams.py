@@ -123,8 +123,9 @@ def _fields(flat: Sequence[Any] | None) -> dict[str, bytes] | None:
     return {_s(flat[i]): flat[i + 1] for i in range(0, len(flat), 2)}
 
 
-#: The event a trainer logs once it has resumed (or started fresh): a run that holds one is never a fresh start again.
 RESUME_EVENT = "resume"
+"""The event trainer rank 0 logs once it has resumed, or started fresh: a run that holds one never starts fresh
+again."""
 GONE_REASON = "entry no longer exists in the stream (deleted or trimmed before it was acked)"
 """The dead-letter reason of an entry a group had delivered but that was gone when read again: not a bad entry, but
 one the stream lost (an audit counts it as lost)."""
