@@ -6,6 +6,11 @@ twice."""
 from __future__ import annotations
 
 import json
+import os
+import random
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -156,3 +161,32 @@ def test_a_restore_spends_the_pacing_slots_its_pushes_added_once(queue: SampleQu
     assert drain("b") == 0 and int(queue.redis.get(queue.keys.groups_started)) == 15  # a restarted trainer
     record_restore(queue, 9, 6)  # a second rollback: its own surplus, once
     assert drain("c") == 3 and int(queue.redis.get(queue.keys.groups_started)) == 18
+
+
+def _victim(run_dir: Path, role: str) -> subprocess.Popen[bytes]:
+    """A process that looks like the run's ``role`` to the injector: its environment and command line."""
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "pipeline.processes", role],
+                            env={**os.environ, "SLUICE_RUN_DIR": str(run_dir.resolve())})
+
+
+@pytest.mark.parametrize(("steps", "landed"), [(10, True), (6, False)])  # the step drawn is at most 6 either way
+def test_a_kill_after_the_runs_last_step_does_not_count_as_landed(tmp_path: Path, steps: int, landed: bool) -> None:
+    """A kill is drawn after some step; if the trainer has already written its last row, the run had nothing left to
+    recover and the kill must not be counted as one that landed (it would make a recovery out of nothing)."""
+    from pipeline.benchmarks.fault_kinds import INJECTORS, Target
+
+    run_dir = tmp_path / "run"
+    (run_dir / "metrics").mkdir(parents=True)
+    (run_dir / "metrics" / "trainer.jsonl").write_text("".join(json.dumps({"step": i + 1}) + "\n" for i in range(6)))
+    victim, launcher = _victim(run_dir, "producer"), _victim(tmp_path / "elsewhere", "launcher")
+    try:
+        target = Target(run_dir=run_dir, steps=steps, checkpoint_every=4, rng=random.Random(0), launcher=launcher,
+                        redis_url=lambda: None, prefix="sluice:{t}")
+        inj = INJECTORS["producer"](target)
+        assert victim.wait(10) == -signal.SIGKILL  # the kill itself happened either way
+        assert inj.at is not None and inj.step == 6 and inj.landed is landed, inj
+        assert ("after the last step" in inj.note) is not landed
+    finally:
+        for p in (victim, launcher):
+            p.kill()
+            p.wait()
