@@ -251,6 +251,7 @@ def test_control_endpoints(engine: EngineProcess) -> None:
             info = await client.model_info()
             assert info.moe_layers is not None and info.topk is not None and info.weight_version
             assert (await client.flush_cache()).success
+            assert await client.prefix_cache() is False  # the CPU engine says so: a pusher need not flush it
             assert (await client.pause_generation("in_place")).success
             # While paused, a request waits; it finishes once generation continues.
             waiting = asyncio.ensure_future(client.generate([4, 4, 4], GREEDY))
@@ -326,6 +327,7 @@ class FlakyServer:
     healthy: bool = True
     hits: dict[str, int] = field(default_factory=dict)
     answer: Any = None
+    server_info: dict[str, Any] | None = None
     url: str = ""
     _runner: web.AppRunner | None = None
 
@@ -334,6 +336,7 @@ class FlakyServer:
         app.router.add_post("/generate", self._generate)
         app.router.add_get("/health", self._health)
         app.router.add_get("/get_model_info", self._info)
+        app.router.add_get("/get_server_info", self._server_info)
         app.router.add_post("/update_weights_from_distributed", self._refuse)
         app.router.add_post("/flush_cache", self._text)
         app.router.add_get("/v1/loads", self._loads)
@@ -369,6 +372,10 @@ class FlakyServer:
     async def _info(self, request: web.Request) -> web.Response:
         return web.json_response({"model_path": "m", "weight_version": "3", "num_moe_layers": 2, "topk": 2})
 
+    async def _server_info(self, request: web.Request) -> web.Response:
+        self._hit("server_info")
+        return web.json_response(self.server_info if self.server_info is not None else {"tp_size": 1})
+
     async def _refuse(self, request: web.Request) -> web.Response:
         self._hit("update")
         return web.json_response({"success": False, "message": "outside a begin/end window"}, status=400)
@@ -403,6 +410,20 @@ def test_get_load_reads_sglangs_v1_loads() -> None:
         assert server.hits["loads"] == 1
         assert (load.num_running_reqs, load.num_waiting_reqs, load.num_total_reqs) == (7, 2, 9)
         assert load.total("num_used_tokens") == 200 and len(load.ranks) == 2
+
+    _with_server(test)
+
+
+def test_prefix_cache_follows_sglangs_server_info_and_defaults_to_flushing() -> None:
+    async def test(server: FlakyServer) -> None:
+        async with SGLangClient(server.url, retry=FAST) as client:
+            said = [await client.prefix_cache()]  # /model_info says nothing, /get_server_info neither: flush
+            server.server_info = {"disable_radix_cache": False}
+            said.append(await client.prefix_cache())
+            server.server_info = {"disable_radix_cache": True}
+            said.append(await client.prefix_cache())
+        assert said == [True, True, False]
+        assert server.hits["server_info"] == 3
 
     _with_server(test)
 

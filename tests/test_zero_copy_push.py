@@ -28,13 +28,13 @@ from aiohttp import web
 from safetensors.torch import load_file
 from test_push_consistency import PROMPT, _reference_logprobs
 
-from pipeline.errors import SyncError
+from pipeline.errors import EngineError, SyncError
 from pipeline.models.tiny import init_tiny_model
 from pipeline.producers.sglang_client import NO_RETRY, SGLangClient
 from pipeline.queue.redis_server import free_port
 from pipeline.sync.base import EngineReply
 from pipeline.sync.packing import ZERO_COPY_MIN_BYTES, BucketPacker, BucketSlots
-from pipeline.sync.weights import WeightPusher
+from pipeline.sync.weights import WeightPusher, _Streamed
 
 KB = 1 << 10
 CPU = torch.device("cpu")
@@ -134,9 +134,11 @@ def test_only_large_tensors_take_no_buffer_at_all_and_the_default_threshold_foll
     named = [(f"w{i}", torch.randn(1 << 18, generator=gen)) for i in range(5)]  # 1 MiB each
     slots = _CountingSlots(4 << 20)
     packer = BucketPacker(bucket_bytes=4 << 20, dtype=None, device=CPU, buffers=slots)
-    assert packer.zero_copy_bytes == 1 << 20  # a sixteenth of 4 MiB is below the floor of 1 MiB
-    # A sixteenth of a bucket on CPU (copies are dear there), a quarter on GPU (copies are cheap, calls are not).
-    assert BucketPacker(bucket_bytes=64 << 20, dtype=None, device=CPU).zero_copy_bytes == 4 << 20
+    assert packer.zero_copy_bytes == 1 << 20
+    # 1 MiB on CPU whatever the bucket (copies are dear there), a quarter of a bucket on GPU (copies are cheap,
+    # calls are not).
+    assert BucketPacker(bucket_bytes=64 << 20, dtype=None, device=CPU).zero_copy_bytes == 1 << 20
+    assert BucketPacker(bucket_bytes=512 << 20, dtype=None, device=CPU).zero_copy_bytes == 1 << 20
     gpu = BucketPacker(bucket_bytes=512 << 20, dtype=None, device=torch.device("cuda"))
     assert gpu.zero_copy_bytes == 128 << 20
     seen = _stream(packer, named)
@@ -191,6 +193,44 @@ def test_a_stopped_stream_still_walks_the_exporter_with_a_zero_copy_bucket_pendi
     assert first.zero_copy and not last and [m.name for m in first.metas] == ["w0", "w1", "w2", "w3"]
     stream.close()  # the push failed after its first bucket
     assert pulled == list(range(6))
+
+
+def test_the_packing_thread_hands_the_next_bucket_over_while_the_one_before_is_sent_and_packs_no_third() -> None:
+    """The send of bucket k must find bucket k+1 waiting, not wake the packing thread to hand it over (a thread hop
+    per bucket); and the thread must not pull a third bucket's tensors while two are unfinished."""
+    pulled: list[int] = []
+
+    def source() -> Iterator[tuple[str, torch.Tensor]]:
+        for i in range(16):
+            pulled.append(i)
+            yield f"w{i}", torch.zeros(4096)  # 16 KB: four to a 64 KB bucket
+
+    async def scenario() -> tuple[list[int], int, list[int], list[list[str]]]:
+        packer = BucketPacker(bucket_bytes=64 * KB, dtype=None, device=CPU, buffers=BucketSlots(2, 64 * KB, CPU),
+                              zero_copy=False)
+        source_ = _Streamed(packer, source())
+        first = await source_.next()
+        assert first is not None
+        deadline = time.monotonic() + 10
+        while source_._items.empty() and time.monotonic() < deadline:  # bucket 0 is "being sent"
+            await asyncio.sleep(0.005)
+        queued = source_._items.qsize()
+        await asyncio.sleep(0.2)  # time enough to pull the rest, were the thread not held back
+        held = list(pulled)
+        first[0].release()
+        names = [[m.name for m in first[0].metas]]
+        while (item := await source_.next()) is not None:
+            names.append([m.name for m in item[0].metas])
+            item[0].release()
+        await source_.abort()
+        return held, queued, list(pulled), names
+
+    held, queued, pulled_all, names = asyncio.run(scenario())
+    assert queued == 1  # bucket 1 was handed over while bucket 0 was still out
+    # Buckets 0 and 1 and the tensor that closed bucket 1; nothing of bucket 3.
+    assert held == list(range(9))
+    assert pulled_all == list(range(16))
+    assert names == [[f"w{i}" for i in range(b, b + 4)] for b in range(0, 16, 4)]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -574,3 +614,65 @@ def test_an_engine_that_refuses_begin_leaves_no_other_engines_window_open(tmp_pa
     assert begun == [True]  # the first engine did open its window in the failed push
     assert windows[0] is False
     assert versions == ["2", "2"]
+
+
+class _RecordingControl(SGLangClient):
+    """A real client that remembers the push's closing calls, and whose answer to ``prefix_cache`` can be set:
+    ``says`` None asks the engine (the CPU engine says it keeps none), True or False is said here, and an exception
+    is raised here."""
+
+    calls: list[str]
+    says: bool | BaseException | None = None
+
+    async def prefix_cache(self) -> bool:
+        self.calls.append("prefix_cache?")
+        if isinstance(self.says, BaseException):
+            raise self.says
+        return await super().prefix_cache() if self.says is None else self.says
+
+    async def end_weight_update(self) -> EngineReply:
+        self.calls.append("end")
+        return await super().end_weight_update()
+
+    async def flush_cache(self) -> EngineReply:
+        self.calls.append("flush")
+        return await super().flush_cache()
+
+    async def continue_generation(self) -> EngineReply:
+        self.calls.append("continue")
+        return await super().continue_generation()
+
+
+@pytest.mark.slow
+def test_a_push_flushes_only_engines_that_may_keep_a_prefix_cache_and_asks_once(tmp_path: Path) -> None:
+    """A round trip per push saved where there is nothing to flush (the CPU engine); an engine with a cache (SGLang's
+    radix cache) or one that does not answer the question is still flushed, after its load and before generation
+    continues."""
+    model_dir = init_tiny_model("qwen3", tmp_path / "model", seed=0)
+    weights = [(n, t.clone()) for n, t in sorted(load_file(str(model_dir / "model.safetensors")).items())]
+    served = _ServedEngine(model_dir)
+
+    async def pushes(says: bool | BaseException | None, count: int) -> tuple[list[str], str]:
+        client = _RecordingControl(served.url, retry=NO_RETRY)
+        client.calls, client.says = [], says
+        pusher = await WeightPusher.connect([client], master_address="127.0.0.1", backend="gloo", timeout_s=60,
+                                            bucket_bytes=64 * KB)
+        try:
+            for version in range(1, count + 1):
+                await pusher.push(weights, version)
+            return client.calls, await client.weight_version()
+        finally:
+            await pusher.close()
+            await client.close()
+
+    async def scenario() -> list[tuple[list[str], str]]:
+        return [await pushes(None, 2), await pushes(True, 2), await pushes(EngineError("no answer"), 1)]
+
+    try:
+        (cpu, cpu_version), (cached, _), (silent, _) = asyncio.run(scenario())
+    finally:
+        served.stop()
+    assert cpu == ["end", "prefix_cache?", "continue", "end", "continue"]
+    assert cpu_version == "2"
+    assert cached == ["end", "prefix_cache?", "flush", "continue", "end", "flush", "continue"]
+    assert silent == ["end", "prefix_cache?", "flush", "continue"]

@@ -386,6 +386,15 @@ class SGLangClient:
             size = _first_int(await self._server_info(), ("tp_size",))
         return size or 1
 
+    async def prefix_cache(self) -> bool:
+        """Whether the engine keeps a prefix cache that a weight update makes stale: ``/model_info``'s
+        ``prefix_cache`` (the CPU engine: false), else not ``/get_server_info``'s ``disable_radix_cache`` (SGLang);
+        true when it says neither, so that such an engine is flushed."""
+        said = (await self.model_info()).raw.get("prefix_cache")
+        if isinstance(said, bool):
+            return said
+        return not bool((await self._server_info()).get("disable_radix_cache", False))
+
     async def _server_info(self) -> Mapping[str, Any]:
         try:
             response = await self.retry.call(lambda: self._request("GET", "/get_server_info", None, self.timeout))

@@ -387,6 +387,7 @@ class WeightPusher:
         self.zero_copy = zero_copy
         self.zero_copy_bytes = zero_copy_bytes
         self._buffers = BucketSlots(2, self.bucket_bytes, group.device)  # reused by every streamed push
+        self._flushable: list[WeightUpdateEngine] | None = None  # asked once, at the first push's flush
 
     @classmethod
     async def connect(
@@ -514,8 +515,11 @@ class WeightPusher:
 
     async def _flush_prefix_caches(self, version: str) -> None:
         """Drop cached prefixes computed by the old weights, where the engine can: SGLang refuses while requests are
-        in flight (they are, in place), and then its cache keeps them; the CPU engine has none."""
-        flushable = [e for e in self.engines if hasattr(e, "flush_cache")]
+        in flight (they are, in place), and then its cache keeps them. An engine that says it keeps no prefix cache
+        (the CPU engine) is not asked: a round trip per push, a twentieth of a 50 MB push on gloo."""
+        if self._flushable is None:
+            self._flushable = await _with_prefix_cache(self.engines)
+        flushable = self._flushable
         replies = await asyncio.gather(*(e.flush_cache() for e in flushable), return_exceptions=True)  # type: ignore[attr-defined]
         for engine, reply in zip(flushable, replies):
             if isinstance(reply, BaseException) or not reply.success:
@@ -614,8 +618,9 @@ class _Prepacked:
 class _Streamed:
     """``BucketPacker.stream`` run in a thread: the next bucket is packed while the current one is sent.
 
-    The thread hands a bucket over only once the consumer is done with the one before (it asks for the next), so at
-    most two buckets are alive: the one being sent and the one packed ahead, plus the tensor in hand. Bucket buffers
+    The thread hands a bucket over as soon as it is packed, and packs the next only once the consumer is done with
+    the one before (it asks for the next), so at most two buckets are alive: the one being sent and the one packed
+    ahead, plus the tensor in hand. Bucket buffers
     alone would bound copied buckets, but a zero-copy bucket takes none: without this, the thread would run through
     the exporter ahead of the sends, holding every tensor it gathered (a TP/EP gather makes a new one) until sent.
     Holding a zero-copy bucket until it was sent is what keeps it valid: its view keeps the tensor's memory alive,
@@ -649,16 +654,21 @@ class _Streamed:
             pass  # the loop is gone: the push already failed and its caller moved on
 
     def _wait_for_room(self) -> None:
+        # Two buckets handed over and unfinished (one being sent, one waiting for it): pack no third until the
+        # first is done.
         with self._room:
-            while self._unsent >= 1 and not self._stop.is_set():
+            while self._unsent >= 2 and not self._stop.is_set():
                 self._room.wait()
-            self._unsent += 1
 
     def _run(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         try:
             for item in self._packer.stream(named, self._stop):
-                self._wait_for_room()
+                # Handed over as soon as it is packed, so the send of the bucket before finds it waiting (no thread
+                # hop between two buckets); the wait that bounds memory comes after, before the next is packed.
+                with self._room:
+                    self._unsent += 1
                 self._hand_over("bucket", item)
+                self._wait_for_room()
             self._hand_over("end", None)
         except BaseException as exc:  # noqa: BLE001 - handed to the awaiting push, not swallowed
             self._hand_over("error", exc)
@@ -716,6 +726,26 @@ async def engines_tp(engines: Sequence[WeightUpdateEngine]) -> list[int]:
         return int(await ask()) if ask is not None else 1
 
     return list(await asyncio.gather(*(tp(e) for e in engines)))
+
+
+async def _with_prefix_cache(engines: Sequence[WeightUpdateEngine]) -> list[WeightUpdateEngine]:
+    """The engines to flush after a push: those with ``flush_cache`` that do not say they keep no prefix cache (an
+    engine that cannot be asked is flushed, as before)."""
+
+    async def keeps(engine: WeightUpdateEngine) -> bool:
+        if not hasattr(engine, "flush_cache"):
+            return False
+        ask = getattr(engine, "prefix_cache", None)
+        if ask is None:
+            return True
+        try:
+            return bool(await ask())
+        except Exception as exc:  # noqa: BLE001 - a flush too many costs a round trip; a stale cache costs more
+            log.debug("engine %s did not say whether it keeps a prefix cache (%s); it is flushed", engine.name, exc)
+            return True
+
+    found = await asyncio.gather(*(keeps(e) for e in engines))
+    return [e for e, keep in zip(engines, found) if keep]
 
 
 def _run_in_thread(fn: Callable[[], _T]) -> asyncio.Future[_T]:

@@ -197,6 +197,8 @@ class Engine:
             "logprob_mode": self.cfg.logprob_mode,
             "max_batch": self.cfg.max_batch,
             "tp_size": self.cfg.tp,
+            # A pusher skips /flush_cache (a round trip per push) for an engine that says it has no prefix cache.
+            "prefix_cache": False,
             "weight_groups": {name: [m.rank for m in g.members] for name, g in self.groups.items()},
         }
 
