@@ -206,7 +206,7 @@ class SyncConfig(_Strict):
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """auto: NCCL on GPU, gloo on CPU."""
     bucket_mb: int | None = Field(None, ge=1, le=65536)
-    """Bucket size; None: 64 MB on CPU, 512 MB on GPU."""
+    """Bucket size; None: 256 MB on CPU, 512 MB on GPU."""
     master_port: int = Field(0, ge=0, le=65535)
     """Port of the trainer's weight-group store; 0: the trainer binds one the OS picks and tells the engines."""
     timeout_s: float = Field(300.0, gt=0)

@@ -49,8 +49,8 @@ class SyncBenchParams:
     """Model sizes in MB of fp32 weights, comma-separated."""
     big: bool = False
     """Add the large sizes (500, 1000 and 2000 MB): minutes, and about four times the largest size in memory."""
-    bucket_mb: int = 64
-    """Bucket size (the CPU default)."""
+    bucket_mb: int = 256
+    """Bucket size (the CPU default, ``DEFAULT_BUCKET_BYTES["gloo"]``)."""
     engine_dtype: str = "float32"
     """The receiving engine's dtype; bfloat16 halves the bytes on the wire."""
     rounds: int = 7

@@ -203,16 +203,15 @@ class BucketPacker:
     """Casts named tensors to the wire dtype and packs them, in order, into flat buckets of ``bucket_bytes``; a large
     tensor already in the wire dtype goes out of its own memory instead (``zero_copy_bytes``).
 
-    ``zero_copy_bytes``: the smallest tensor sent zero-copy; None picks a sixteenth of a bucket on CPU and a quarter
-    on GPU, at least 1 MiB; ``zero_copy=False`` copies every tensor. The default weighs what a zero-copy tensor saves
-    against what it costs. It saves both copies of its bytes: rank 0's cast into a bucket and, for an engine that
-    receives in place, the engine's copy into its model, together about 0.27 ms per MB on the 2-core CPU machine.
-    Since runs and flat buckets are gathered apart, it costs its own broadcast and a share of its run's announcement,
-    no longer an early-closed bucket: on gloo a 4 MB tensor (a sixteenth of the default 64 MB bucket) saves about
-    1 ms for a fraction of that, and the bench's push then ran at 0.84-1.23 of the bare broadcast (500 MB to 2 GB),
-    where a quarter bucket gave 0.76-0.93 (benchmarks/README.md). A GPU copies at hundreds of GB/s, so there a
-    tensor pays for its own NCCL call only when large: a quarter of the default 512 MB bucket. One below 1 MiB never
-    pays.
+    ``zero_copy_bytes``: the smallest tensor sent zero-copy; None picks 1 MiB on CPU and a quarter of a bucket on
+    GPU; ``zero_copy=False`` copies every tensor. The default weighs what a zero-copy tensor saves against what it
+    costs. It saves both copies of its bytes: rank 0's cast into a bucket and, for an engine that receives in place,
+    the engine's copy into its model, together about 0.27 ms per MB on the 2-core CPU machine. Since runs and flat
+    buckets are gathered apart, it costs only its own broadcast and a share of its run's announcement. On gloo that
+    pays from 1 MiB: with 1 MiB instead of a sixteenth of a 64 MB bucket (4 MB), the 50 MB bench model's push went
+    from 0.83 to 0.99 of the bare broadcast, measured alternately in one process (benchmarks/README.md). A GPU copies
+    at hundreds of GB/s, so there a tensor pays for its own NCCL call only when large: a quarter of the default 512 MB
+    bucket. One below 1 MiB never pays.
     """
 
     def __init__(self, *, bucket_bytes: int, dtype: str | None, device: torch.device,
