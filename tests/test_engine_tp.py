@@ -108,3 +108,39 @@ def test_an_engine_with_more_tp_ranks_than_asyncios_thread_pool_joins_and_receiv
         for member in engine.members:
             member.close()
         trainer["group"].close()
+
+
+def test_the_bench_reference_receives_into_its_prepared_buffers_and_frees_them_only_at_the_next_prepare() -> None:
+    """``sluice bench sync``'s reference times ``probe``. Freeing a model-sized buffer costs about 0.1 ms per MB
+    (220 ms for 2 GB), so a probe that dropped its buffers would time the free as part of the bare broadcast and
+    flatter every push measured against it."""
+    import threading
+    import weakref
+
+    from pipeline.producers.cpu_engine.tp_group import TpWeightGroup
+    from pipeline.sync.weights import bind_weight_store, init_weight_group
+
+    store = bind_weight_store(3, timeout_s=30)
+    hosted: dict[str, Any] = {}
+    host = threading.Thread(target=lambda: hosted.setdefault("group", init_weight_group(
+        "127.0.0.1", int(store.port), 0, 3, "probe", timeout_s=30, store=store)))
+    host.start()
+    engine = asyncio.run(TpWeightGroup.join(2, master_address="127.0.0.1", master_port=int(store.port), rank_offset=1,
+                                            world_size=3, group_name="probe", timeout_s=30))
+    host.join(30)
+    trainer = hosted["group"]
+    try:
+        sent = torch.arange(1 << 20, dtype=torch.int32).view(torch.uint8)
+        engine.prepare_probe(sent.numel())
+        kept = [weakref.ref(b) for b in engine._probe or []]
+        receiving = threading.Thread(target=engine.probe, args=(sent.numel(),))
+        receiving.start()
+        trainer.broadcast(sent, 0)
+        receiving.join(30)
+        assert len(kept) == 2 and all(ref() is not None for ref in kept)  # both TP ranks' buffers outlive the probe
+        assert all(torch.equal(ref(), sent) for ref in kept)  # type: ignore[arg-type]
+        engine.prepare_probe(16)
+        assert all(ref() is None for ref in kept)
+    finally:
+        engine.close()
+        trainer.close()
