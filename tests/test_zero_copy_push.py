@@ -676,3 +676,56 @@ def test_a_push_flushes_only_engines_that_may_keep_a_prefix_cache_and_asks_once(
     assert cpu_version == "2"
     assert cached == ["end", "prefix_cache?", "flush", "continue", "end", "flush", "continue"]
     assert silent == ["end", "prefix_cache?", "flush", "continue"]
+
+
+class _SlowPause(SGLangClient):
+    """A real client whose ``/pause_generation`` reaches its engine 0.3 s late; it records when each control call
+    went out and when its answer came."""
+
+    events: list[str]
+
+    async def pause_generation(self, mode: Any = "abort") -> EngineReply:
+        self.events.append("pause sent")
+        await asyncio.sleep(0.3)
+        reply = await super().pause_generation(mode)
+        self.events.append("pause answered")
+        return reply
+
+    async def begin_weight_update(self) -> EngineReply:
+        self.events.append("begin sent")
+        reply = await super().begin_weight_update()
+        self.events.append("begin answered")
+        return reply
+
+    async def update_weights_from_distributed(self, **kw: Any) -> Any:  # type: ignore[override]
+        self.events.append("announce")
+        return await super().update_weights_from_distributed(**kw)
+
+
+@pytest.mark.slow
+def test_the_pause_and_the_window_go_out_together_and_no_announcement_before_both_answered(tmp_path: Path) -> None:
+    model_dir = init_tiny_model("qwen3", tmp_path / "model", seed=0)
+    weights = [(n, t.clone()) for n, t in sorted(load_file(str(model_dir / "model.safetensors")).items())]
+    served = _ServedEngine(model_dir)
+
+    async def scenario() -> tuple[list[str], str, bool]:
+        client = _SlowPause(served.url, retry=NO_RETRY)
+        client.events = []
+        pusher = await WeightPusher.connect([client], master_address="127.0.0.1", backend="gloo", timeout_s=60,
+                                            bucket_bytes=64 * KB)
+        try:
+            await pusher.push(weights, 1)
+            return client.events, await client.weight_version(), served.engine.scheduler.paused
+        finally:
+            await pusher.close()
+            await client.close()
+
+    try:
+        events, version, paused = asyncio.run(scenario())
+    finally:
+        served.stop()
+    first = events.index("announce")
+    # The window opened while the pause was still on its way: one round trip, not two, before the first bucket.
+    assert events[:3] == ["pause sent", "begin sent", "begin answered"], events
+    assert events.index("pause answered") < first and events.index("begin answered") < first
+    assert version == "1" and paused is False

@@ -348,7 +348,7 @@ Weights = Iterable[tuple[str, torch.Tensor]] | Sequence[PackedBucket]
 class WeightPusher:
     """Rank 0 of the weight group: pushes named tensors to every engine, bucket by bucket.
 
-    Per push: ``/pause_generation`` (in place) and ``/begin_weight_update`` on all engines; per bucket
+    Per push: ``/pause_generation`` (in place) and ``/begin_weight_update`` on all engines, together; per bucket
     ``/update_weights_from_distributed`` to all engines concurrently with the bucket's broadcast (one flat uint8
     tensor, SGLang's ``flattened_bucket`` format, or one broadcast per tensor with ``flat=False``); then
     ``/end_weight_update``, a best-effort ``/flush_cache`` and ``/continue_generation``. The next
@@ -487,10 +487,16 @@ class WeightPusher:
             # Paused in place for the whole push: requests keep their place and their KV cache, no forward pass
             # runs, so no token is computed from half-updated weights (docs/weight-push.md, "Generation across a
             # push"). Only a whole push continues them: one that fails leaves the engines paused until the next.
-            await _expect_success(self.engines, [e.pause_generation("in_place") for e in self.engines],
-                                  "pause_generation")
+            # The pause and the window's opening go out together, one round trip instead of two: the window only
+            # admits announcements, and none is sent before every engine answered both.
+            pauses = [asyncio.ensure_future(e.pause_generation("in_place")) for e in self.engines]
+            begins = [asyncio.ensure_future(e.begin_weight_update()) for e in self.engines]
             opened = True  # before the answers: an engine whose window opened is closed again if another refused
-            await _expect_success(self.engines, [e.begin_weight_update() for e in self.engines], "begin_weight_update")
+            await asyncio.wait([*pauses, *begins])
+            for task in begins:
+                task.exception()  # seen, in case a refused pause raises before the begins are checked
+            await _expect_success(self.engines, pauses, "pause_generation")
+            await _expect_success(self.engines, begins, "begin_weight_update")
             while item is not None:
                 bucket, last = item
                 # No flush with the update: SGLang refuses to flush while requests are in flight, as they are in place.
