@@ -393,13 +393,14 @@ def test_a_push_sends_large_tensors_zero_copy_and_a_paused_engine_receives_them_
         client.announced, client.formats = [], []
         pusher = await WeightPusher.connect([client], master_address="127.0.0.1", backend="gloo", timeout_s=60,
                                             bucket_bytes=64 * KB, zero_copy_bytes=threshold)
-        send = pusher.group.broadcast
+        send = pusher.group.broadcast_all
 
-        def recording(tensor: torch.Tensor, src: int = 0) -> None:
-            broadcasts.append((tensor.data_ptr(), tensor.numel() * tensor.element_size(), pulled))
-            send(tensor, src)
+        def recording(tensors: list[torch.Tensor], src: int = 0, **kw: Any) -> None:
+            # Every broadcast goes through broadcast_all (a flat bucket's alone, a run's tensors together).
+            broadcasts.extend((t.data_ptr(), t.numel() * t.element_size(), pulled) for t in tensors)
+            send(tensors, src, **kw)
 
-        pusher.group.broadcast = recording  # type: ignore[method-assign]
+        pusher.group.broadcast_all = recording  # type: ignore[method-assign]
         takes: list[int] = []
         take = pusher._buffers.take
         pusher._buffers.take = lambda n: takes.append(n) or take(n)  # type: ignore[method-assign]

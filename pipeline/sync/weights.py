@@ -33,6 +33,8 @@ MB = 1 << 20
 # size: at 64 MB that was a seventh of a 1 GB push; at 256 MB it is a thirtieth (docs/weight-push.md).
 DEFAULT_BUCKET_BYTES: dict[str, int] = {"gloo": 256 * MB, "nccl": 512 * MB}
 SUPPORTED_BACKENDS = ("gloo", "nccl")
+BROADCAST_WINDOW = 4
+"""Broadcasts of the per-tensor wire in flight at once (``WeightGroup.broadcast_all``)."""
 
 _T = TypeVar("_T")
 
@@ -95,6 +97,36 @@ class WeightGroup:
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Broadcast ``tensor`` in place from rank ``src``; blocks until this rank's part is done."""
+        self.broadcast_all([tensor], src)
+
+    def broadcast_all(self, tensors: Sequence[torch.Tensor], src: int = 0, window: int = BROADCAST_WINDOW) -> None:
+        """One broadcast per tensor, in order, with up to ``window`` of them in flight at once; blocks until this
+        rank's part of every one is done. Every member must issue the same broadcasts in the same order: the backend
+        matches them by their place in that order, whichever runs first.
+
+        In flight together, they keep the wire busy: on gloo, 1 GB in 16 MB broadcasts moved at 1.5 GB/s one at a
+        time and at 2.8 GB/s four at a time, the rate of one 1 GB broadcast (docs/weight-push.md)."""
+        if not tensors:
+            return
+        self._check_usable()
+        for tensor in tensors:
+            self._check_tensor(tensor)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        works: list[Any] = []
+        try:
+            for tensor in tensors:
+                works.append(self._impl.broadcast([tensor], opts))
+                if len(works) >= window:
+                    works.pop(0).wait()
+            for work in works:
+                work.wait()
+        except RuntimeError as exc:
+            self.mark_broken(f"broadcast failed: {exc}")
+            raise SyncError(f"broadcast in weight group {self.group_name!r} failed: {exc}") from exc
+
+    def _check_usable(self) -> None:
         if self._closed:
             raise SyncError(f"weight group {self.group_name!r} is closed; create a new one with init_weight_group")
         if self._broken is not None:
@@ -102,20 +134,14 @@ class WeightGroup:
                 f"weight group {self.group_name!r} is unusable after an earlier failure ({self._broken}); "
                 "every member must re-create it with init_weight_group"
             )
+
+    def _check_tensor(self, tensor: torch.Tensor) -> None:
         if not tensor.is_contiguous():
             raise SyncError("broadcast needs a contiguous tensor; call .contiguous() first")
         if tensor.device.type != self.device.type:
             raise SyncError(
                 f"a {self.backend} weight group broadcasts {self.device.type} tensors, got one on {tensor.device}"
             )
-        opts = dist.BroadcastOptions()
-        opts.rootRank = src
-        opts.rootTensor = 0
-        try:
-            self._impl.broadcast([tensor], opts).wait()
-        except RuntimeError as exc:
-            self.mark_broken(f"broadcast failed: {exc}")
-            raise SyncError(f"broadcast in weight group {self.group_name!r} failed: {exc}") from exc
 
     @property
     def broken(self) -> str | None:
@@ -253,10 +279,9 @@ def receive_tensors(
     device = group.device
 
     def _receive() -> Iterator[tuple[str, torch.Tensor]]:
-        for meta in metas:
-            tensor = torch.empty(meta.shape, dtype=torch_dtype(meta.dtype), device=device)
-            group.broadcast(tensor, src=0)
-            yield meta.name, tensor
+        tensors = [torch.empty(m.shape, dtype=torch_dtype(m.dtype), device=device) for m in metas]
+        group.broadcast_all(tensors, src=0)
+        yield from zip((m.name for m in metas), tensors)
 
     return _receive()
 
@@ -588,8 +613,7 @@ class WeightPusher:
         if self.flat and bucket.parts is None:
             self.group.broadcast(bucket.flat, src=0)
             return
-        for _, tensor in bucket.tensors():
-            self.group.broadcast(tensor.contiguous(), src=0)
+        self.group.broadcast_all([tensor.contiguous() for _, tensor in bucket.tensors()], src=0)
 
 
 def exhaust(weights: Iterable[Any]) -> None:

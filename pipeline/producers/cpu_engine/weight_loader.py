@@ -176,8 +176,7 @@ class WeightLoader:
             # The uint8 view is the parameter's own memory: gloo writes the broadcast there, nothing in between.
             receive_flat(group, names, dtypes, shapes, targets[0].view(-1).view(torch.uint8))
         else:
-            for target in targets:  # the announced order is the order of the sender's broadcasts
-                group.broadcast(target, src=0)
+            group.broadcast_all(targets, src=0)  # the announced order is the order of the sender's broadcasts
         with self._pool_lock:
             self.bytes_in_place += sum(t.numel() * t.element_size() for t in targets)
         return list(zip(names, targets))
