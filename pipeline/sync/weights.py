@@ -270,10 +270,11 @@ def validate_metas(
 def receive_tensors(
     group: WeightGroup, names: list[str], dtypes: list[str], shapes: list[list[int]]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Receive one ``broadcast(src=0)`` per announced tensor, in the announced order, yielding ``(name, tensor)``.
+    """Receive one ``broadcast(src=0)`` per announced tensor, in the announced order (several in flight at once,
+    ``WeightGroup.broadcast_all``), then yield ``(name, tensor)`` for each.
 
-    The announcement is validated now, before anything is received. The caller must exhaust the iterator: stopping
-    early leaves the sender blocked in a broadcast nobody receives.
+    The announcement is validated now, before anything is received; the receive runs when the iterator is first
+    advanced, so the caller must advance it or the sender stays blocked in broadcasts nobody receives.
     """
     metas = check_announcement(names, dtypes, shapes)
     device = group.device
