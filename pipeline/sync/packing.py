@@ -208,8 +208,8 @@ class BucketPacker:
     costs. It saves both copies of its bytes: rank 0's cast into a bucket and, for an engine that receives in place,
     the engine's copy into its model, together about 0.27 ms per MB on the 2-core CPU machine. Since runs and flat
     buckets are gathered apart, it costs only its own broadcast and a share of its run's announcement. On gloo that
-    pays from 1 MiB: with 1 MiB instead of a sixteenth of a 64 MB bucket (4 MB), the 50 MB bench model's push went
-    from 0.83 to 0.99 of the bare broadcast, measured alternately in one process (benchmarks/README.md). A GPU copies
+    pays from 1 MiB: with 1 MiB instead of a sixteenth of a 64 MB bucket (4 MB), the 50 MB bench model's push took
+    46.6 ms instead of 55.7 (medians of 21 rounds, alternately in one process; benchmarks/README.md). A GPU copies
     at hundreds of GB/s, so there a tensor pays for its own NCCL call only when large: a quarter of the default 512 MB
     bucket. One below 1 MiB never pays.
     """
