@@ -7,9 +7,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from aiohttp import web
 
 from pipeline.producers.sglang_client import NO_RETRY, SGLangClient
 from pipeline.queue.redis_server import free_port
@@ -65,3 +68,40 @@ async def wait_healthy(engine: EngineProcess, timeout: float = 120.0) -> None:
                 return
             await asyncio.sleep(0.1)
     raise RuntimeError(f"engine at {engine.url} did not become healthy in {timeout}s")
+
+
+class ServedEngine:
+    """The CPU engine's own ``Engine`` and HTTP app, served from a thread of this process (its own event loop), so
+    that the test can read the engine's parameters and its loader's counters."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from pipeline.producers.cpu_engine.config import CpuEngineConfig
+        from pipeline.producers.cpu_engine.server import Engine
+
+        self.engine = Engine(CpuEngineConfig(model_path=str(model_dir)))
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._loop = asyncio.new_event_loop()
+        self._runner = web.AppRunner(self._app())
+        started = threading.Event()
+        self._thread = threading.Thread(target=self._serve, args=(started,), name="test-cpu-engine", daemon=True)
+        self._thread.start()
+        if not started.wait(60):
+            raise RuntimeError("the in-process CPU engine did not start")
+
+    def _app(self) -> web.Application:
+        from pipeline.producers.cpu_engine.server import build_app
+
+        return build_app(self.engine)
+
+    def _serve(self, started: threading.Event) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(self._runner.setup())
+        self._loop.run_until_complete(web.TCPSite(self._runner, "127.0.0.1", self.port).start())
+        started.set()
+        self._loop.run_forever()
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(30)

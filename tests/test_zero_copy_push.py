@@ -24,14 +24,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from aiohttp import web
+from engines import ServedEngine
 from safetensors.torch import load_file
 from test_push_consistency import PROMPT, _reference_logprobs
 
 from pipeline.errors import EngineError, SyncError
 from pipeline.models.tiny import init_tiny_model
 from pipeline.producers.sglang_client import NO_RETRY, SGLangClient
-from pipeline.queue.redis_server import free_port
 from pipeline.sync.base import EngineReply
 from pipeline.sync.packing import ZERO_COPY_MIN_BYTES, BucketPacker, BucketSlots
 from pipeline.sync.weights import WeightPusher, _Streamed
@@ -217,17 +216,27 @@ def test_the_packing_thread_hands_the_next_bucket_over_while_the_one_before_is_s
         queued = source_._items.qsize()
         await asyncio.sleep(0.2)  # time enough to pull the rest, were the thread not held back
         held = list(pulled)
+        # A pusher that announces ahead takes bucket 1 while bucket 0 is still on the wire: still no third.
+        second = await source_.next()
+        assert second is not None
+        await asyncio.sleep(0.2)
+        held_both = list(pulled)
+        names = [[m.name for m in first[0].metas], [m.name for m in second[0].metas]]
         first[0].release()
-        names = [[m.name for m in first[0].metas]]
+        source_.sent()
         while (item := await source_.next()) is not None:
             names.append([m.name for m in item[0].metas])
             item[0].release()
+            source_.sent()
+        second[0].release()
+        source_.sent()
         await source_.abort()
+        assert held_both == held
         return held, queued, list(pulled), names
 
     held, queued, pulled_all, names = asyncio.run(scenario())
     assert queued == 1  # bucket 1 was handed over while bucket 0 was still out
-    # Buckets 0 and 1 and the tensor that closed bucket 1; nothing of bucket 3.
+    # Buckets 0 and 1 and the tensor that closed bucket 1; nothing of bucket 3, even with both taken and not sent.
     assert held == list(range(9))
     assert pulled_all == list(range(16))
     assert names == [[f"w{i}" for i in range(b, b + 4)] for b in range(0, 16, 4)]
@@ -307,43 +316,6 @@ def test_holding_forward_passes_waits_for_the_pass_in_flight_and_lets_none_start
 # --------------------------------------------------------------------------------------------------------------------
 
 
-class _ServedEngine:
-    """The CPU engine's own ``Engine`` and HTTP app, served from a thread of this process (its own event loop), so
-    that the test can read the engine's parameters and its loader's counters."""
-
-    def __init__(self, model_dir: Path) -> None:
-        from pipeline.producers.cpu_engine.config import CpuEngineConfig
-        from pipeline.producers.cpu_engine.server import Engine
-
-        self.engine = Engine(CpuEngineConfig(model_path=str(model_dir)))
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._loop = asyncio.new_event_loop()
-        self._runner = web.AppRunner(self._app())
-        started = threading.Event()
-        self._thread = threading.Thread(target=self._serve, args=(started,), name="test-cpu-engine", daemon=True)
-        self._thread.start()
-        if not started.wait(60):
-            raise RuntimeError("the in-process CPU engine did not start")
-
-    def _app(self) -> web.Application:
-        from pipeline.producers.cpu_engine.server import build_app
-
-        return build_app(self.engine)
-
-    def _serve(self, started: threading.Event) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._loop.run_until_complete(self._runner.setup())
-        self._loop.run_until_complete(web.TCPSite(self._runner, "127.0.0.1", self.port).start())
-        started.set()
-        self._loop.run_forever()
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(30)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(30)
-
-
 class _RecordingClient(SGLangClient):
     """A real client that remembers the names of every bucket it announced."""
 
@@ -375,7 +347,7 @@ def test_a_push_sends_large_tensors_zero_copy_and_a_paused_engine_receives_them_
     assert len(big) >= 8 and len(small) >= 8
     nbytes = {n: t.numel() * t.element_size() for n, t in weights}
 
-    served = _ServedEngine(old_dir)
+    served = ServedEngine(old_dir)
     params = served.engine.model.state_dict()
     pointers = {n: params[n].data_ptr() for n, _ in weights}
 
@@ -526,7 +498,7 @@ def test_a_bucket_that_fails_to_load_keeps_the_label_though_a_later_bucket_carri
     model_dir = init_tiny_model("qwen3", tmp_path / "model", seed=0)
     weights = [(n, t.clone()) for n, t in sorted(load_file(str(model_dir / "model.safetensors")).items())]
     first = weights[0][0]
-    served = _ServedEngine(model_dir)
+    served = ServedEngine(model_dir)
     apply = served.engine.weights.apply
 
     def failing(tensors: list[tuple[str, torch.Tensor]]) -> None:
@@ -588,7 +560,7 @@ def test_an_engine_that_refuses_begin_leaves_no_other_engines_window_open(tmp_pa
     again, or they answer announcements of no push and keep the window's state into the next."""
     model_dir = init_tiny_model("qwen3", tmp_path / "model", seed=0)
     weights = [(n, t.clone()) for n, t in sorted(load_file(str(model_dir / "model.safetensors")).items())]
-    served = [_ServedEngine(model_dir), _ServedEngine(model_dir)]
+    served = [ServedEngine(model_dir), ServedEngine(model_dir)]
 
     async def scenario() -> tuple[list[bool], list[bool], list[str]]:
         opener, refuser = _RecordingBegin(served[0].url, retry=NO_RETRY), _RefusingBegin(served[1].url, retry=NO_RETRY)
@@ -651,7 +623,7 @@ def test_a_push_flushes_only_engines_that_may_keep_a_prefix_cache_and_asks_once(
     continues."""
     model_dir = init_tiny_model("qwen3", tmp_path / "model", seed=0)
     weights = [(n, t.clone()) for n, t in sorted(load_file(str(model_dir / "model.safetensors")).items())]
-    served = _ServedEngine(model_dir)
+    served = ServedEngine(model_dir)
 
     async def pushes(says: bool | BaseException | None, count: int) -> tuple[list[str], str]:
         client = _RecordingControl(served.url, retry=NO_RETRY)
@@ -707,7 +679,7 @@ class _SlowPause(SGLangClient):
 def test_the_pause_and_the_window_go_out_together_and_no_announcement_before_both_answered(tmp_path: Path) -> None:
     model_dir = init_tiny_model("qwen3", tmp_path / "model", seed=0)
     weights = [(n, t.clone()) for n, t in sorted(load_file(str(model_dir / "model.safetensors")).items())]
-    served = _ServedEngine(model_dir)
+    served = ServedEngine(model_dir)
 
     async def scenario() -> tuple[list[str], str, bool]:
         client = _SlowPause(served.url, retry=NO_RETRY)

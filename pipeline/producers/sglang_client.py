@@ -395,6 +395,13 @@ class SGLangClient:
             return said
         return not bool((await self._server_info()).get("disable_radix_cache", False))
 
+    async def ordered_updates(self) -> bool:
+        """Whether the engine takes a window's ``/update_weights_from_distributed`` calls in the order of their
+        ``bucket_index``, whatever order they arrive in, so that a pusher may announce the next bucket before this
+        one is answered: ``/model_info``'s ``ordered_updates`` (the CPU engine). SGLang does not say so, and gets one
+        announcement at a time."""
+        return (await self.model_info()).raw.get("ordered_updates") is True
+
     async def _server_info(self) -> Mapping[str, Any]:
         try:
             response = await self.retry.call(lambda: self._request("GET", "/get_server_info", None, self.timeout))
@@ -474,8 +481,11 @@ class SGLangClient:
         weight_version: str | None,
         abort_all_requests: bool = False,
         load_format: str | None = None,
+        bucket_index: int | None = None,
+        push_id: str | None = None,
     ) -> EngineReply:
-        """Announce one bucket; the engine answers after receiving and loading every tensor in it."""
+        """Announce one bucket; the engine answers after receiving and loading every tensor in it. ``bucket_index``
+        and ``push_id`` are sent only when given (to an engine with ``ordered_updates``; SGLang knows neither)."""
         body: dict[str, Any] = {
             "names": names,
             "dtypes": dtypes,
@@ -487,6 +497,9 @@ class SGLangClient:
         }
         if load_format is not None:
             body["load_format"] = load_format
+        if bucket_index is not None:
+            body["bucket_index"] = bucket_index
+            body["push_id"] = push_id
         return await self._weight_call("/update_weights_from_distributed", body)
 
     async def end_weight_update(self) -> EngineReply:

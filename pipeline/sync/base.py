@@ -99,9 +99,14 @@ class WeightUpdateEngine(Protocol):
         weight_version: str | None,
         abort_all_requests: bool = False,
         load_format: str | None = None,
+        bucket_index: int | None = None,
+        push_id: str | None = None,
     ) -> EngineReply:
         """Receive the announced tensors and load them; returns when loaded. One ``broadcast(src=0)`` per tensor in
-        order, or with ``load_format="flattened_bucket"`` one flat uint8 broadcast of all their bytes."""
+        order, or with ``load_format="flattened_bucket"`` one flat uint8 broadcast of all their bytes.
+
+        ``bucket_index`` and ``push_id`` only go to an engine that takes announcements in order (``ordered_updates``):
+        the bucket's place in the window and the push it belongs to."""
         ...
 
     async def end_weight_update(self) -> EngineReply:

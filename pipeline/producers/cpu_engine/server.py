@@ -53,6 +53,7 @@ from pipeline.producers.cpu_engine.protocol import (
 from pipeline.producers.cpu_engine.sampling import SamplingSettings
 from pipeline.producers.cpu_engine.scheduler import Scheduler
 from pipeline.producers.cpu_engine.tp_group import TpWeightGroup
+from pipeline.producers.cpu_engine.update_turns import UpdateTurns
 from pipeline.producers.cpu_engine.weight_loader import WeightLoader
 from pipeline.producers.cpu_engine.weight_routes import WeightRoutes
 
@@ -156,6 +157,8 @@ class Engine:
         self.pending_loads: list[Future[None]] = []
         """Buckets received and queued for loading between forward passes; ``/end_weight_update`` waits for them."""
         self.update_lock = asyncio.Lock()
+        self.turns = UpdateTurns()
+        """The order of a window's indexed announcements (``ordered_updates``)."""
         self.weight_bytes_received = 0
         """Bytes taken off the weight group since start (what the trainer's push put on the wire)."""
         self.rank_bytes_received = [0] * cfg.tp
@@ -199,6 +202,8 @@ class Engine:
             "tp_size": self.cfg.tp,
             # A pusher skips /flush_cache (a round trip per push) for an engine that says it has no prefix cache.
             "prefix_cache": False,
+            # A pusher may announce the next bucket before this one is answered: each waits for its bucket_index.
+            "ordered_updates": True,
             "weight_groups": {name: [m.rank for m in g.members] for name, g in self.groups.items()},
         }
 

@@ -93,6 +93,12 @@ class UpdateFromDistributedRequest(BaseModel):
     """Version to report once these weights are loaded; None keeps the current one."""
     load_format: str | None = None
     """None: one broadcast per tensor; "flattened_bucket": one flat uint8 broadcast of all the bucket's bytes."""
+    bucket_index: int | None = None
+    """sluice's own: the bucket's place in the window, from a pusher that announces the next bucket before this one
+    is answered (the engine says ``ordered_updates`` in ``/model_info``). Received only on its turn
+    (``update_turns.py``); None: received as it comes, as SGLang does."""
+    push_id: str | None = None
+    """sluice's own, with ``bucket_index``: the push the bucket belongs to."""
 
 
 class UpdateFromDiskRequest(BaseModel):
@@ -156,12 +162,14 @@ class WeightRoutes:
         engine = self.engine
         engine.update_window_open = True
         engine.updated_in_window = engine.load_failed_in_window = False
+        await engine.turns.open()
         return reply(True, "weight update window opened")
 
     async def end_update(self, request: web.Request) -> web.Response:
         """``POST /end_weight_update``: answers once every bucket received is loaded."""
         engine = self.engine
         engine.update_window_open = False
+        await engine.turns.close()
         pending, engine.pending_loads = engine.pending_loads, []
         results = await asyncio.gather(*(asyncio.wrap_future(f) for f in pending), return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
@@ -180,7 +188,8 @@ class WeightRoutes:
             log.info("first weight update received: generation starts")
 
     async def update_from_distributed(self, request: web.Request) -> web.Response:
-        """``POST /update_weights_from_distributed``: receive the announced tensors, then load them between steps."""
+        """``POST /update_weights_from_distributed``: receive the announced tensors, then load them between steps.
+        An announcement with a ``bucket_index`` waits for its turn in the window first (``update_turns.py``)."""
         engine = self.engine
         if not engine.update_window_open:
             return reply(
@@ -190,26 +199,52 @@ class WeightRoutes:
             body = UpdateFromDistributedRequest.model_validate(await json_body(request))
         except ValidationError as exc:
             return reply(False, f"invalid /update_weights_from_distributed request: {exc}")
+        # Checked before the turn, while the bucket before is still on the wire: that is time the turn would wait.
+        refused, group = self._check_bucket(body)
+        if body.bucket_index is None:
+            return reply(False, refused) if group is None else reply(*await self._receive_bucket(body, group))
+        if group is None:
+            await engine.turns.fail(body.bucket_index, refused)  # its bytes would go to the next receive otherwise
+            return reply(False, refused)
+        refused = await engine.turns.take(body.bucket_index, body.push_id or "")
+        if refused is not None:
+            return reply(False, f"{refused}; nothing was received")
+        success, message, status = False, "the receive was interrupted", 500
+        try:
+            success, message, status = await self._receive_bucket(body, group)
+        finally:
+            await engine.turns.done(body.bucket_index, None if success else message)
+        return reply(success, message, status)
+
+    def _check_bucket(self, body: UpdateFromDistributedRequest) -> tuple[str, TpWeightGroup | None]:
+        """The group to receive an announcement on, or (why it is refused, None); nothing is received."""
+        engine = self.engine
         if body.load_format not in (None, FLAT_FORMAT):
-            return reply(False, f"load_format {body.load_format!r} is unknown; use none or {FLAT_FORMAT!r}")
+            return f"load_format {body.load_format!r} is unknown; use none or {FLAT_FORMAT!r}", None
         try:
             engine.weights.check(body.names, body.dtypes, body.shapes)
         except EngineError as exc:
-            return reply(False, f"{exc}; nothing was received and the old weights are kept")
+            return f"{exc}; nothing was received and the old weights are kept", None
         group = engine.groups.get(body.group_name)
         if group is None:
-            return reply(False, f"no weight group named {body.group_name!r}; call /init_weights_update_group first")
+            return f"no weight group named {body.group_name!r}; call /init_weights_update_group first", None
+        return "", group
+
+    async def _receive_bucket(self, body: UpdateFromDistributedRequest, group: TpWeightGroup
+                              ) -> tuple[bool, str, int | None]:
+        """Receive one checked bucket and queue its load: (success, message, HTTP status)."""
+        engine = self.engine
         async with engine.update_lock:
             if not engine.update_window_open:  # closed while this request waited for the lock
-                return reply(False, "the weight update window closed before this bucket's turn; nothing was received")
+                return False, "the weight update window closed before this bucket's turn; nothing was received", None
             if self._in_place(body, group):
                 try:
                     tensors = await asyncio.to_thread(self._receive_in_place, group, body)
                 except (SluiceError, RuntimeError) as exc:
                     shown = body.names[0] if len(body.names) == 1 else f"{len(body.names)} tensors from {body.names[0]}"
-                    return reply(False, f"receiving {shown} in place failed: {exc}. What it had not received keeps "
-                                        "the old values and the tensor in flight is undefined until a whole push "
-                                        f"lands; weight_version stays {engine.generator.version}", status=500)
+                    return False, (f"receiving {shown} in place failed: {exc}. What it had not received keeps the "
+                                   "old values and the tensor in flight is undefined until a whole push lands; "
+                                   f"weight_version stays {engine.generator.version}"), 500
                 loaded: list[tuple[str, torch.Tensor]] = []  # already in the model: the load only moves the label
             else:
                 try:
@@ -220,7 +255,7 @@ class WeightRoutes:
                     tensors = await asyncio.to_thread(group.receive, receive, body.names, body.dtypes, body.shapes,
                                                       engine.weights.recycle)
                 except (SluiceError, RuntimeError) as exc:
-                    return reply(False, f"receiving the weights failed, old weights kept: {exc}", status=500)
+                    return False, f"receiving the weights failed, old weights kept: {exc}", 500
                 loaded = tensors
             engine.weight_bytes_received += sum(t.numel() * t.element_size() for _, t in tensors)
             # Loaded by the scheduler between forward passes, in arrival order, while the next bucket is received:
@@ -230,7 +265,7 @@ class WeightRoutes:
             engine.pending_loads.append(engine.scheduler.call(lambda: self._load(loaded, body)))
             # The pusher labels only its last bucket: a window that saw the label received a whole push.
             engine.updated_in_window = engine.updated_in_window or body.weight_version is not None
-        return reply(True, f"received {len(tensors)} tensors; they load before /end_weight_update answers")
+        return True, f"received {len(tensors)} tensors; they load before /end_weight_update answers", None
 
     def _in_place(self, body: UpdateFromDistributedRequest, group: TpWeightGroup) -> bool:
         """Whether this bucket is received straight into its parameters: a flat bucket of one tensor, or the

@@ -1,0 +1,213 @@
+"""Announcements ahead of the answers (docs/weight-push.md, "Announcements ahead of the answers").
+
+The CPU engine says ``ordered_updates``: it receives a window's announcements in the order of their ``bucket_index``,
+whatever order they arrive in, so the pusher posts bucket k+1 while bucket k is on the wire. These tests run a real
+CPU engine (served in this process, so its parameters can be read) on a real gloo weight group:
+
+- bucket 1 announced before bucket 0 still gets bucket 1's bytes;
+- a bucket that fails, or a window that closes, refuses what waits behind it without receiving anything;
+- the pusher really announces ahead for such an engine, and one at a time for an engine that does not say so
+  (SGLang), and the weights land either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from engines import ServedEngine
+from safetensors.torch import load_file
+
+from pipeline.models.tiny import init_tiny_model
+from pipeline.producers.cpu_engine.update_turns import UpdateTurns
+from pipeline.producers.sglang_client import NO_RETRY, SGLangClient
+from pipeline.sync.packing import FLAT_FORMAT
+from pipeline.sync.weights import WeightPusher
+
+KB = 1 << 10
+GATE, UP = "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"
+
+
+def _announce(client: SGLangClient, pusher: WeightPusher, index: int, name: str, shape: list[int],
+              push_id: str = "push-a") -> asyncio.Future[Any]:
+    return asyncio.ensure_future(client.update_weights_from_distributed(
+        names=[name], dtypes=["float32"], shapes=[shape], group_name=pusher.group.group_name, flush_cache=False,
+        weight_version=None, load_format=FLAT_FORMAT, bucket_index=index, push_id=push_id))
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def test_an_engine_receives_announcements_in_bucket_order_whatever_order_they_arrive_in(tmp_path: Path) -> None:
+    served = ServedEngine(init_tiny_model("qwen3", tmp_path / "m", seed=0))
+    params = served.engine.model.state_dict()
+    shape = list(params[GATE].shape)
+    assert list(params[UP].shape) == shape  # same bytes: taken in the wrong order, they would land swapped
+    gate, up = torch.full(shape, 1.0), torch.full(shape, 2.0)
+
+    async def scenario() -> tuple[bool, bool, bool, bool]:
+        client = SGLangClient(served.url, retry=NO_RETRY)
+        pusher = await WeightPusher.connect([client], master_address="127.0.0.1", backend="gloo", timeout_s=60)
+        try:
+            says = await client.ordered_updates()
+            assert (await client.begin_weight_update()).success
+            second = _announce(client, pusher, 1, UP, shape)
+            await asyncio.sleep(0.3)
+            waited = not second.done()  # arrived first, waits for bucket 0
+            first = _announce(client, pusher, 0, GATE, shape)
+
+            def send() -> None:  # in the order of the indices, as the pusher does
+                pusher.group.broadcast(_flat(gate), 0)
+                pusher.group.broadcast(_flat(up), 0)
+
+            await asyncio.gather(asyncio.to_thread(send), asyncio.wait_for(asyncio.gather(first, second), 30))
+            ended = (await client.end_weight_update()).success
+            return says, waited, (first.result().success and second.result().success), ended
+        finally:
+            await pusher.close()
+            await client.close()
+
+    try:
+        says, waited, received, ended = asyncio.run(scenario())
+        assert says and waited and received and ended
+        assert torch.equal(params[GATE], gate) and torch.equal(params[UP], up)
+    finally:
+        served.stop()
+
+
+def test_a_failed_bucket_or_a_closed_window_refuses_what_waits_behind_it_and_receives_nothing(
+    tmp_path: Path,
+) -> None:
+    model_dir = init_tiny_model("qwen3", tmp_path / "m", seed=0)
+    new_dir = init_tiny_model("qwen3", tmp_path / "new", seed=1)
+    weights = sorted(load_file(str(new_dir / "model.safetensors")).items())
+    served = ServedEngine(model_dir)
+    params = served.engine.model.state_dict()
+    shape = list(params[UP].shape)
+    before = params[UP].clone()
+
+    async def scenario() -> tuple[str, str, str, int, str]:
+        client = SGLangClient(served.url, retry=NO_RETRY)
+        pusher = await WeightPusher.connect([client], master_address="127.0.0.1", backend="gloo", timeout_s=60)
+        try:
+            received = served.engine.weight_bytes_received
+            assert (await client.begin_weight_update()).success
+            behind = _announce(client, pusher, 1, UP, shape)
+            await asyncio.sleep(0.2)
+            refused = await _announce(client, pusher, 0, "model.layers.0.mlp.no_such.weight", shape)
+            assert not refused.success
+            after_failure = (await asyncio.wait_for(behind, 10)).message
+            assert (await client.end_weight_update()).success
+
+            assert (await client.begin_weight_update()).success
+            waiting = _announce(client, pusher, 1, UP, shape, push_id="push-b")
+            await asyncio.sleep(0.2)
+            assert (await client.end_weight_update()).success
+            after_close = (await asyncio.wait_for(waiting, 10)).message
+            nothing = served.engine.weight_bytes_received - received
+            # The engine is whole: the next push lands.
+            stats = await pusher.push(weights, 1)
+            assert stats.buckets >= 1
+            return refused.message, after_failure, after_close, nothing, (await client.model_info()).weight_version
+        finally:
+            await pusher.close()
+            await client.close()
+
+    try:
+        refused, after_failure, after_close, nothing, version = asyncio.run(scenario())
+        assert "no_such" in refused
+        assert "bucket 0 of this window failed" in after_failure and "nothing was received" in after_failure
+        assert "window closed" in after_close and "nothing was received" in after_close
+        assert nothing == 0
+        assert not torch.equal(before, params[UP]) and version == "1"
+        assert torch.equal(params[UP], dict(weights)[UP])
+    finally:
+        served.stop()
+
+
+class _TimedClient(SGLangClient):
+    """A real client that records when each announcement went out and when its answer came back, and can be told
+    to answer ``ordered_updates`` as SGLang does (it does not say so)."""
+
+    events: list[tuple[str, int]]
+    says_ordered: bool
+    indexed: list[int | None]
+
+    async def ordered_updates(self) -> bool:
+        return self.says_ordered and await super().ordered_updates()
+
+    async def update_weights_from_distributed(self, **kw: Any) -> Any:  # type: ignore[override]
+        index = sum(1 for kind, _ in self.events if kind == "post")
+        self.indexed.append(kw.get("bucket_index"))
+        self.events.append(("post", index))
+        try:
+            return await super().update_weights_from_distributed(**kw)
+        finally:
+            self.events.append(("reply", index))
+
+
+@pytest.mark.parametrize("ordered", [True, False], ids=["ordered-engine", "sglang-like"])
+def test_the_pusher_announces_ahead_only_to_engines_that_take_announcements_in_order(tmp_path: Path,
+                                                                                      ordered: bool) -> None:
+    model_dir = init_tiny_model("qwen3", tmp_path / "m", seed=0)
+    new_dir = init_tiny_model("qwen3", tmp_path / "new", seed=1)
+    weights = sorted(load_file(str(new_dir / "model.safetensors")).items())
+    served = ServedEngine(model_dir)
+
+    async def scenario() -> tuple[list[tuple[str, int]], list[int | None], int, str]:
+        client = _TimedClient(served.url, retry=NO_RETRY)
+        client.events, client.says_ordered, client.indexed = [], ordered, []
+        pusher = await WeightPusher.connect([client], master_address="127.0.0.1", backend="gloo", timeout_s=60,
+                                            bucket_bytes=16 * KB)
+        try:
+            stats = None
+            for version in (1, 2):
+                stats = await pusher.push(weights, version)
+            assert stats is not None
+            return client.events, client.indexed, stats.buckets, (await client.model_info()).weight_version
+        finally:
+            await pusher.close()
+            await client.close()
+
+    try:
+        events, indexed, buckets, version = asyncio.run(scenario())
+    finally:
+        served.stop()
+    assert buckets >= 8 and version == "2"
+    params = served.engine.model.state_dict()
+    assert all(torch.equal(params[n], t) for n, t in weights)
+    when = {event: i for i, event in enumerate(events)}
+    ahead = [k for k in range(len(indexed) - 1) if when[("post", k + 1)] < when[("reply", k)]]
+    if ordered:
+        assert ahead  # some bucket was announced before the one before it was answered
+        assert indexed == list(range(buckets)) * 2  # every push counts its buckets from 0
+    else:
+        assert ahead == [] and set(indexed) == {None}
+
+
+def test_turns_refuse_another_push_and_a_repeated_index_and_let_the_right_one_through() -> None:
+    async def scenario() -> list[str | None]:
+        turns = UpdateTurns()
+        await turns.open()
+        got = [await turns.take(0, "a")]
+        stale = asyncio.ensure_future(turns.take(1, "b"))
+        waiting = asyncio.ensure_future(turns.take(1, "a"))
+        await asyncio.sleep(0.05)
+        got.append(await stale)  # another push than bucket 0's: refused without waiting for its turn
+        assert not waiting.done()
+        await turns.done(0, None)
+        got.append(await waiting)
+        await turns.done(1, None)
+        got.append(await turns.take(1, "a"))  # bucket 1 again
+        await turns.open()  # a new window starts again at 0, for whichever push
+        got.append(await turns.take(0, "b"))
+        return got
+
+    got = asyncio.run(scenario())
+    assert got[0] is None and got[2] is None and got[4] is None
+    assert got[1] is not None and "another" not in got[1] and "push 'a'" in got[1]
+    assert got[3] is not None and "came after bucket 1" in got[3]
