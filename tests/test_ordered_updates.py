@@ -189,6 +189,43 @@ def test_the_pusher_announces_ahead_only_to_engines_that_take_announcements_in_o
         assert ahead == [] and set(indexed) == {None}
 
 
+def test_a_tensor_the_packer_refuses_after_buckets_went_ahead_fails_the_push_and_keeps_the_group(
+    tmp_path: Path,
+) -> None:
+    """The bucket on the wire lands before the push fails, so the group stays in step and the next push uses it."""
+    model_dir = init_tiny_model("qwen3", tmp_path / "m", seed=0)
+    new_dir = init_tiny_model("qwen3", tmp_path / "new", seed=1)
+    weights = sorted(load_file(str(new_dir / "model.safetensors")).items())
+    served = ServedEngine(model_dir)
+
+    def exporter() -> Any:
+        yield from weights[: len(weights) // 2]
+        yield weights[0]  # a name twice: refused by the packer, several buckets into the push
+
+    async def scenario() -> tuple[str, str | None, str]:
+        client = SGLangClient(served.url, retry=NO_RETRY)
+        pusher = await WeightPusher.connect([client], master_address="127.0.0.1", backend="gloo", timeout_s=60,
+                                            bucket_bytes=16 * KB)
+        try:
+            with pytest.raises(Exception) as failed:
+                await asyncio.wait_for(pusher.push(exporter(), 1), 60)
+            broken = pusher.group.broken
+            await asyncio.wait_for(pusher.push(weights, 2), 60)
+            return str(failed.value), broken, (await client.model_info()).weight_version
+        finally:
+            await pusher.close()
+            await client.close()
+
+    try:
+        failed, broken, version = asyncio.run(scenario())
+    finally:
+        served.stop()
+    assert "appears twice" in failed
+    assert broken is None and version == "2"
+    params = served.engine.model.state_dict()
+    assert all(torch.equal(params[n], t) for n, t in weights)
+
+
 def test_turns_refuse_another_push_and_a_repeated_index_and_let_the_right_one_through() -> None:
     async def scenario() -> list[str | None]:
         turns = UpdateTurns()

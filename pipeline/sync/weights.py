@@ -624,6 +624,7 @@ class WeightPusher:
         on_wire: PackedBucket | None = None
         upcoming: asyncio.Future[Any] | None = None
         buckets = tensors = sent = 0
+        landed = False  # what went out before a packing error has landed: the group is still in step
         try:
             while item is not None:
                 bucket, last = item
@@ -636,7 +637,17 @@ class WeightPusher:
                     source.sent()
                 sending, on_wire = _run_in_thread(lambda b=bucket: self._broadcast_bucket(b)), bucket  # type: ignore[misc]
                 upcoming = asyncio.ensure_future(source.next())
-                item = await _watching(upcoming, replies)
+                try:
+                    item = await _watching(upcoming, replies)
+                except BaseException as exc:
+                    if upcoming.done() and not upcoming.cancelled() and upcoming.exception() is exc:
+                        # A tensor the packer refused (the engines have not been told of it): the bucket on the
+                        # wire is whole, so let it land, as the one-at-a-time push does, and keep the group.
+                        await _watching(sending, replies)
+                        while replies:
+                            await _watching(None, replies)
+                        landed = True
+                    raise
             if sending is not None and on_wire is not None:
                 await _watching(sending, replies)
                 on_wire.release()
@@ -646,7 +657,8 @@ class WeightPusher:
         except BaseException as exc:
             for task in [*replies, *([upcoming] if upcoming is not None else [])]:
                 task.cancel()
-            self.group.mark_broken(f"a weight push failed mid-bucket: {exc}")
+            if not landed:
+                self.group.mark_broken(f"a weight push failed mid-bucket: {exc}")
             raise
         return buckets, tensors, sent
 
