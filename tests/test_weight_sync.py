@@ -25,7 +25,10 @@ from pipeline.errors import SyncError
 from pipeline.sync.base import EngineReply, TensorMeta
 from pipeline.sync.packing import BucketPacker
 from pipeline.sync.weights import (
+    BROADCAST_WINDOW,
+    GLOO_THREADS,
     WeightPusher,
+    bind_weight_store,
     check_announcement,
     init_weight_group,
     meta_of,
@@ -415,6 +418,34 @@ def test_broadcast_all_keeps_several_in_flight_and_every_tensor_arrives_in_order
         unfinished += 1 if event.startswith("issue") else -1
         assert unfinished <= 4
     assert events.count("done 9") == 1 and unfinished == 0
+
+
+def test_every_member_of_a_gloo_weight_group_runs_sixteen_workers() -> None:
+    """A gloo op holds a worker until its bytes are through: with torch's two, only two broadcasts overlap however
+    many are in flight, and both ends need more (docs/weight-push.md, "Sixteen gloo workers"). Every member, the
+    trainer's (which binds the store) and an engine's, is made by ``init_weight_group``."""
+    import threading
+
+    store = bind_weight_store(2, 30)
+    groups: dict[int, Any] = {}
+    joining = threading.Thread(target=lambda: groups.setdefault(1, init_weight_group(
+        "127.0.0.1", int(store.port), 1, 2, "workers", timeout_s=30)))
+    joining.start()
+    groups[0] = init_weight_group("127.0.0.1", int(store.port), 0, 2, "workers", timeout_s=30, store=store)
+    joining.join(30)
+    try:
+        assert [groups[r]._impl.options._threads for r in (0, 1)] == [GLOO_THREADS, GLOO_THREADS]
+        assert GLOO_THREADS > 2 and BROADCAST_WINDOW >= GLOO_THREADS
+        sent = torch.arange(1 << 16, dtype=torch.float32)
+        got = torch.zeros_like(sent)
+        receiving = threading.Thread(target=groups[1].broadcast, args=(got, 0))
+        receiving.start()
+        groups[0].broadcast(sent, 0)
+        receiving.join(30)
+        assert torch.equal(got, sent)  # and the group so made works
+    finally:
+        for g in groups.values():
+            g.close()
 
 
 # --------------------------------------------------------------------------------------------------------------------
