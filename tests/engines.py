@@ -9,13 +9,17 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
 from pipeline.producers.sglang_client import NO_RETRY, SGLangClient
 from pipeline.queue.redis_server import free_port
+from pipeline.sync.weights import WeightPusher
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -105,3 +109,18 @@ class ServedEngine:
         asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(30)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(30)
+
+
+@asynccontextmanager
+async def pushing(url: str, client: SGLangClient | None = None, **pusher_args: Any
+                  ) -> AsyncIterator[tuple[SGLangClient, WeightPusher]]:
+    """A client of the engine at ``url`` (or the one given) and a pusher connected to it over gloo; both closed
+    after."""
+    client = client or SGLangClient(url, retry=NO_RETRY)
+    pusher = await WeightPusher.connect([client], master_address="127.0.0.1", backend="gloo", timeout_s=60,
+                                        **pusher_args)
+    try:
+        yield client, pusher
+    finally:
+        await pusher.close()
+        await client.close()

@@ -13,12 +13,13 @@ CPU engine (served in this process, so its parameters can be read) on a real glo
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from engines import ServedEngine
+from engines import ServedEngine, pushing
 from safetensors.torch import load_file
 
 from pipeline.models.tiny import init_tiny_model
@@ -29,6 +30,20 @@ from pipeline.sync.weights import WeightPusher
 
 KB = 1 << 10
 GATE, UP = "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"
+
+
+Weights = list[tuple[str, torch.Tensor]]
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[tuple[ServedEngine, Weights]]:
+    """A CPU engine served in this process on a tiny Qwen3, and another model's weights to push into it."""
+    engine = ServedEngine(init_tiny_model("qwen3", tmp_path / "m", seed=0))
+    new_dir = init_tiny_model("qwen3", tmp_path / "new", seed=1)
+    try:
+        yield engine, sorted(load_file(str(new_dir / "model.safetensors")).items())
+    finally:
+        engine.stop()
 
 
 def _announce(client: SGLangClient, pusher: WeightPusher, index: int, name: str, shape: list[int],
@@ -42,17 +57,17 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def test_an_engine_receives_announcements_in_bucket_order_whatever_order_they_arrive_in(tmp_path: Path) -> None:
-    served = ServedEngine(init_tiny_model("qwen3", tmp_path / "m", seed=0))
-    params = served.engine.model.state_dict()
+def test_an_engine_receives_announcements_in_bucket_order_whatever_order_they_arrive_in(
+    served: tuple[ServedEngine, Weights],
+) -> None:
+    engine, _ = served
+    params = engine.engine.model.state_dict()
     shape = list(params[GATE].shape)
     assert list(params[UP].shape) == shape  # same bytes: taken in the wrong order, they would land swapped
     gate, up = torch.full(shape, 1.0), torch.full(shape, 2.0)
 
     async def scenario() -> tuple[bool, bool, bool, bool]:
-        client = SGLangClient(served.url, retry=NO_RETRY)
-        pusher = await WeightPusher.connect([client], master_address="127.0.0.1", backend="gloo", timeout_s=60)
-        try:
+        async with pushing(engine.url) as (client, pusher):
             says = await client.ordered_updates()
             assert (await client.begin_weight_update()).success
             second = _announce(client, pusher, 1, UP, shape)
@@ -67,34 +82,23 @@ def test_an_engine_receives_announcements_in_bucket_order_whatever_order_they_ar
             await asyncio.gather(asyncio.to_thread(send), asyncio.wait_for(asyncio.gather(first, second), 30))
             ended = (await client.end_weight_update()).success
             return says, waited, (first.result().success and second.result().success), ended
-        finally:
-            await pusher.close()
-            await client.close()
 
-    try:
-        says, waited, received, ended = asyncio.run(scenario())
-        assert says and waited and received and ended
-        assert torch.equal(params[GATE], gate) and torch.equal(params[UP], up)
-    finally:
-        served.stop()
+    says, waited, received, ended = asyncio.run(scenario())
+    assert says and waited and received and ended
+    assert torch.equal(params[GATE], gate) and torch.equal(params[UP], up)
 
 
 def test_a_failed_bucket_or_a_closed_window_refuses_what_waits_behind_it_and_receives_nothing(
-    tmp_path: Path,
+    served: tuple[ServedEngine, Weights],
 ) -> None:
-    model_dir = init_tiny_model("qwen3", tmp_path / "m", seed=0)
-    new_dir = init_tiny_model("qwen3", tmp_path / "new", seed=1)
-    weights = sorted(load_file(str(new_dir / "model.safetensors")).items())
-    served = ServedEngine(model_dir)
-    params = served.engine.model.state_dict()
+    engine, weights = served
+    params = engine.engine.model.state_dict()
     shape = list(params[UP].shape)
     before = params[UP].clone()
 
     async def scenario() -> tuple[str, str, str, int, str]:
-        client = SGLangClient(served.url, retry=NO_RETRY)
-        pusher = await WeightPusher.connect([client], master_address="127.0.0.1", backend="gloo", timeout_s=60)
-        try:
-            received = served.engine.weight_bytes_received
+        async with pushing(engine.url) as (client, pusher):
+            received = engine.engine.weight_bytes_received
             assert (await client.begin_weight_update()).success
             behind = _announce(client, pusher, 1, UP, shape)
             await asyncio.sleep(0.2)
@@ -108,25 +112,19 @@ def test_a_failed_bucket_or_a_closed_window_refuses_what_waits_behind_it_and_rec
             await asyncio.sleep(0.2)
             assert (await client.end_weight_update()).success
             after_close = (await asyncio.wait_for(waiting, 10)).message
-            nothing = served.engine.weight_bytes_received - received
+            nothing = engine.engine.weight_bytes_received - received
             # The engine is whole: the next push lands.
             stats = await pusher.push(weights, 1)
             assert stats.buckets >= 1
             return refused.message, after_failure, after_close, nothing, (await client.model_info()).weight_version
-        finally:
-            await pusher.close()
-            await client.close()
 
-    try:
-        refused, after_failure, after_close, nothing, version = asyncio.run(scenario())
-        assert "no_such" in refused
-        assert "bucket 0 of this window failed" in after_failure and "nothing was received" in after_failure
-        assert "window closed" in after_close and "nothing was received" in after_close
-        assert nothing == 0
-        assert not torch.equal(before, params[UP]) and version == "1"
-        assert torch.equal(params[UP], dict(weights)[UP])
-    finally:
-        served.stop()
+    refused, after_failure, after_close, nothing, version = asyncio.run(scenario())
+    assert "no_such" in refused
+    assert "bucket 0 of this window failed" in after_failure and "nothing was received" in after_failure
+    assert "window closed" in after_close and "nothing was received" in after_close
+    assert nothing == 0
+    assert not torch.equal(before, params[UP]) and version == "1"
+    assert torch.equal(params[UP], dict(weights)[UP])
 
 
 class _TimedClient(SGLangClient):
@@ -151,34 +149,24 @@ class _TimedClient(SGLangClient):
 
 
 @pytest.mark.parametrize("ordered", [True, False], ids=["ordered-engine", "sglang-like"])
-def test_the_pusher_announces_ahead_only_to_engines_that_take_announcements_in_order(tmp_path: Path,
-                                                                                      ordered: bool) -> None:
-    model_dir = init_tiny_model("qwen3", tmp_path / "m", seed=0)
-    new_dir = init_tiny_model("qwen3", tmp_path / "new", seed=1)
-    weights = sorted(load_file(str(new_dir / "model.safetensors")).items())
-    served = ServedEngine(model_dir)
+def test_the_pusher_announces_ahead_only_to_engines_that_take_announcements_in_order(
+    served: tuple[ServedEngine, Weights], ordered: bool,
+) -> None:
+    engine, weights = served
 
     async def scenario() -> tuple[list[tuple[str, int]], list[int | None], int, str]:
-        client = _TimedClient(served.url, retry=NO_RETRY)
+        client = _TimedClient(engine.url, retry=NO_RETRY)
         client.events, client.says_ordered, client.indexed = [], ordered, []
-        pusher = await WeightPusher.connect([client], master_address="127.0.0.1", backend="gloo", timeout_s=60,
-                                            bucket_bytes=16 * KB)
-        try:
+        async with pushing(engine.url, client, bucket_bytes=16 * KB) as (_, pusher):
             stats = None
             for version in (1, 2):
                 stats = await pusher.push(weights, version)
             assert stats is not None
             return client.events, client.indexed, stats.buckets, (await client.model_info()).weight_version
-        finally:
-            await pusher.close()
-            await client.close()
 
-    try:
-        events, indexed, buckets, version = asyncio.run(scenario())
-    finally:
-        served.stop()
+    events, indexed, buckets, version = asyncio.run(scenario())
     assert buckets >= 8 and version == "2"
-    params = served.engine.model.state_dict()
+    params = engine.engine.model.state_dict()
     assert all(torch.equal(params[n], t) for n, t in weights)
     when = {event: i for i, event in enumerate(events)}
     ahead = [k for k in range(len(indexed) - 1) if when[("post", k + 1)] < when[("reply", k)]]
@@ -190,39 +178,27 @@ def test_the_pusher_announces_ahead_only_to_engines_that_take_announcements_in_o
 
 
 def test_a_tensor_the_packer_refuses_after_buckets_went_ahead_fails_the_push_and_keeps_the_group(
-    tmp_path: Path,
+    served: tuple[ServedEngine, Weights],
 ) -> None:
     """The bucket on the wire lands before the push fails, so the group stays in step and the next push uses it."""
-    model_dir = init_tiny_model("qwen3", tmp_path / "m", seed=0)
-    new_dir = init_tiny_model("qwen3", tmp_path / "new", seed=1)
-    weights = sorted(load_file(str(new_dir / "model.safetensors")).items())
-    served = ServedEngine(model_dir)
+    engine, weights = served
 
     def exporter() -> Any:
         yield from weights[: len(weights) // 2]
         yield weights[0]  # a name twice: refused by the packer, several buckets into the push
 
     async def scenario() -> tuple[str, str | None, str]:
-        client = SGLangClient(served.url, retry=NO_RETRY)
-        pusher = await WeightPusher.connect([client], master_address="127.0.0.1", backend="gloo", timeout_s=60,
-                                            bucket_bytes=16 * KB)
-        try:
+        async with pushing(engine.url, bucket_bytes=16 * KB) as (client, pusher):
             with pytest.raises(Exception) as failed:
                 await asyncio.wait_for(pusher.push(exporter(), 1), 60)
             broken = pusher.group.broken
             await asyncio.wait_for(pusher.push(weights, 2), 60)
             return str(failed.value), broken, (await client.model_info()).weight_version
-        finally:
-            await pusher.close()
-            await client.close()
 
-    try:
-        failed, broken, version = asyncio.run(scenario())
-    finally:
-        served.stop()
+    failed, broken, version = asyncio.run(scenario())
     assert "appears twice" in failed
     assert broken is None and version == "2"
-    params = served.engine.model.state_dict()
+    params = engine.engine.model.state_dict()
     assert all(torch.equal(params[n], t) for n, t in weights)
 
 

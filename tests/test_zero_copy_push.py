@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from engines import ServedEngine
+from engines import ServedEngine, pushing
 from safetensors.torch import load_file
 from test_push_consistency import PROMPT, _reference_logprobs
 
@@ -33,7 +33,8 @@ from pipeline.models.tiny import init_tiny_model
 from pipeline.producers.sglang_client import NO_RETRY, SGLangClient
 from pipeline.sync.base import EngineReply
 from pipeline.sync.packing import ZERO_COPY_MIN_BYTES, BucketPacker, BucketSlots
-from pipeline.sync.weights import WeightPusher, _Streamed
+from pipeline.sync.sources import Streamed
+from pipeline.sync.weights import WeightPusher
 
 KB = 1 << 10
 CPU = torch.device("cpu")
@@ -207,7 +208,7 @@ def test_the_packing_thread_hands_the_next_bucket_over_while_the_one_before_is_s
     async def scenario() -> tuple[list[int], int, list[int], list[list[str]]]:
         packer = BucketPacker(bucket_bytes=64 * KB, dtype=None, device=CPU, buffers=BucketSlots(2, 64 * KB, CPU),
                               zero_copy=False)
-        source_ = _Streamed(packer, source())
+        source_ = Streamed(packer, source())
         first = await source_.next()
         assert first is not None
         deadline = time.monotonic() + 10
@@ -509,19 +510,13 @@ def test_a_bucket_that_fails_to_load_keeps_the_label_though_a_later_bucket_carri
     served.engine.weights.apply = failing  # type: ignore[method-assign]
 
     async def scenario() -> tuple[str, str, int]:
-        client = SGLangClient(served.url, retry=NO_RETRY)
-        pusher = await WeightPusher.connect([client], master_address="127.0.0.1", backend="gloo", timeout_s=60,
-                                            bucket_bytes=64 * KB, zero_copy=False)
-        try:
+        async with pushing(served.url, bucket_bytes=64 * KB, zero_copy=False) as (client, pusher):
             with pytest.raises(SyncError, match="loading a received bucket failed"):
                 await pusher.push(weights, 7)
             failed = str(await client.weight_version())
             served.engine.weights.apply = apply  # type: ignore[method-assign]
             stats = await pusher.push(weights, 8)  # a whole push after it moves the label again
             return failed, str(await client.weight_version()), stats.buckets
-        finally:
-            await pusher.close()
-            await client.close()
 
     try:
         failed, after, buckets = asyncio.run(scenario())
@@ -628,15 +623,10 @@ def test_a_push_flushes_only_engines_that_may_keep_a_prefix_cache_and_asks_once(
     async def pushes(says: bool | BaseException | None, count: int) -> tuple[list[str], str]:
         client = _RecordingControl(served.url, retry=NO_RETRY)
         client.calls, client.says = [], says
-        pusher = await WeightPusher.connect([client], master_address="127.0.0.1", backend="gloo", timeout_s=60,
-                                            bucket_bytes=64 * KB)
-        try:
+        async with pushing(served.url, client, bucket_bytes=64 * KB) as (_, pusher):
             for version in range(1, count + 1):
                 await pusher.push(weights, version)
             return client.calls, await client.weight_version()
-        finally:
-            await pusher.close()
-            await client.close()
 
     async def scenario() -> list[tuple[list[str], str]]:
         return [await pushes(None, 2), await pushes(True, 2), await pushes(EngineError("no answer"), 1)]
@@ -684,14 +674,9 @@ def test_the_pause_and_the_window_go_out_together_and_no_announcement_before_bot
     async def scenario() -> tuple[list[str], str, bool]:
         client = _SlowPause(served.url, retry=NO_RETRY)
         client.events = []
-        pusher = await WeightPusher.connect([client], master_address="127.0.0.1", backend="gloo", timeout_s=60,
-                                            bucket_bytes=64 * KB)
-        try:
+        async with pushing(served.url, client, bucket_bytes=64 * KB) as (_, pusher):
             await pusher.push(weights, 1)
             return client.events, await client.weight_version(), served.engine.scheduler.paused
-        finally:
-            await pusher.close()
-            await client.close()
 
     try:
         events, version, paused = asyncio.run(scenario())

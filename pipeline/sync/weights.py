@@ -27,6 +27,7 @@ from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-
 from pipeline.errors import SyncError
 from pipeline.sync.base import DTYPE_ITEMSIZE, EngineReply, TensorMeta, WeightUpdateEngine
 from pipeline.sync.packing import FLAT_FORMAT, BucketPacker, BucketSlots, PackedBucket, unpack
+from pipeline.sync.sources import Prepacked, Streamed, exhaust, is_packed
 
 log = logging.getLogger(__name__)
 MB = 1 << 20
@@ -512,7 +513,7 @@ class WeightPusher:
                 "close this pusher and connect a new one"
             )
         start = time.perf_counter()
-        source = _Prepacked(weights) if _is_packed(weights) else _Streamed(self.packer(), weights)  # type: ignore[arg-type]
+        source = Prepacked(weights) if is_packed(weights) else Streamed(self.packer(), weights)  # type: ignore[arg-type]
         buckets = tensors = sent = 0
         opened = False
         try:
@@ -608,7 +609,7 @@ class WeightPusher:
             for engine in self.engines
         }
 
-    async def _push_ahead(self, source: _Streamed | _Prepacked, item: tuple[PackedBucket, bool] | None,
+    async def _push_ahead(self, source: Streamed | Prepacked, item: tuple[PackedBucket, bool] | None,
                           version: str) -> tuple[int, int, int]:
         """Send every bucket, announcing each as soon as it is packed, while the one before is still on the wire.
 
@@ -631,10 +632,7 @@ class WeightPusher:
                 replies.update(self._announce(bucket, version if last else None, False, bucket_index=buckets,
                                               push_id=push_id))
                 buckets, tensors, sent = buckets + 1, tensors + len(bucket.metas), sent + bucket.nbytes
-                if sending is not None and on_wire is not None:
-                    await _watching(sending, replies)
-                    on_wire.release()
-                    source.sent()
+                await _through(sending, on_wire, source, replies)
                 sending, on_wire = _run_in_thread(lambda b=bucket: self._broadcast_bucket(b)), bucket  # type: ignore[misc]
                 upcoming = asyncio.ensure_future(source.next())
                 try:
@@ -644,16 +642,11 @@ class WeightPusher:
                         # A tensor the packer refused (the engines have not been told of it): the bucket on the
                         # wire is whole, so let it land, as the one-at-a-time push does, and keep the group.
                         await _watching(sending, replies)
-                        while replies:
-                            await _watching(None, replies)
+                        await _watching(None, replies)
                         landed = True
                     raise
-            if sending is not None and on_wire is not None:
-                await _watching(sending, replies)
-                on_wire.release()
-                source.sent()
-            while replies:
-                await _watching(None, replies)
+            await _through(sending, on_wire, source, replies)
+            await _watching(None, replies)
         except BaseException as exc:
             for task in [*replies, *([upcoming] if upcoming is not None else [])]:
                 task.cancel()
@@ -694,130 +687,6 @@ class WeightPusher:
         self.group.broadcast_all([tensor.contiguous() for _, tensor in bucket.tensors()], src=0)
 
 
-def exhaust(weights: Iterable[Any]) -> None:
-    """Walk a one-shot exporter that a push will not send: a trainer's is a collective every rank must finish, and
-    the other ranks would otherwise wait in it until the group's timeout."""
-    if not isinstance(weights, Sequence):
-        for _ in weights:
-            pass
-
-
-def _is_packed(weights: Weights) -> bool:
-    return isinstance(weights, Sequence) and len(weights) > 0 and isinstance(weights[0], PackedBucket)
-
-
-class _Prepacked:
-    """Buckets packed before the push (a snapshot), handed out in order."""
-
-    def __init__(self, buckets: Sequence[PackedBucket]) -> None:
-        self._buckets = list(buckets)
-        self._next = 0
-        self.peak_buffer_bytes = sum(b.nbytes for b in self._buckets)
-        self.zero_copy_bytes = sum(b.nbytes for b in self._buckets if b.zero_copy)
-
-    async def next(self) -> tuple[PackedBucket, bool] | None:
-        if self._next >= len(self._buckets):
-            return None
-        self._next += 1
-        return self._buckets[self._next - 1], self._next == len(self._buckets)
-
-    def sent(self) -> None:
-        pass
-
-    async def abort(self) -> None:
-        pass
-
-
-class _Streamed:
-    """``BucketPacker.stream`` run in a thread: the next bucket is packed while the current one is sent.
-
-    The thread hands a bucket over as soon as it is packed, and packs the next only once the consumer is done with
-    the one before (it asks for the next), so at most two buckets are alive: the one being sent and the one packed
-    ahead, plus the tensor in hand. Bucket buffers
-    alone would bound copied buckets, but a zero-copy bucket takes none: without this, the thread would run through
-    the exporter ahead of the sends, holding every tensor it gathered (a TP/EP gather makes a new one) until sent.
-    Holding a zero-copy bucket until it was sent is what keeps it valid: its view keeps the tensor's memory alive,
-    and nothing writes a parameter during a streamed push (the next optimizer step waits for it).
-    """
-
-    def __init__(self, packer: BucketPacker, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self._packer = packer
-        self._loop = asyncio.get_running_loop()
-        self._items: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        self._stop = threading.Event()
-        self._done = self._loop.create_future()
-        self._room = threading.Condition()
-        self._unsent = 0  # buckets handed over that the consumer has not called sent() for
-        thread = threading.Thread(target=self._run, args=(named,), name="sluice-weight-pack", daemon=True)
-        thread.start()
-
-    @property
-    def peak_buffer_bytes(self) -> int:
-        return self._packer.stats.peak_buffer_bytes
-
-    @property
-    def zero_copy_bytes(self) -> int:
-        return self._packer.stats.zero_copy_bytes
-
-    def _hand_over(self, kind: str, value: Any) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self._items.put_nowait, (kind, value))
-        except RuntimeError:
-            pass  # the loop is gone: the push already failed and its caller moved on
-
-    def _wait_for_room(self) -> None:
-        # Two buckets handed over and unfinished (one being sent, one waiting for it): pack no third until the
-        # first is done.
-        with self._room:
-            while self._unsent >= 2 and not self._stop.is_set():
-                self._room.wait()
-
-    def _run(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        try:
-            for item in self._packer.stream(named, self._stop):
-                # Handed over as soon as it is packed, so the send of the bucket before finds it waiting (no thread
-                # hop between two buckets); the wait that bounds memory comes after, before the next is packed.
-                with self._room:
-                    self._unsent += 1
-                self._hand_over("bucket", item)
-                self._wait_for_room()
-            self._hand_over("end", None)
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting push, not swallowed
-            self._hand_over("error", exc)
-        finally:
-            try:
-                self._loop.call_soon_threadsafe(lambda: self._done.done() or self._done.set_result(None))
-            except RuntimeError:
-                pass
-
-    async def next(self) -> tuple[PackedBucket, bool] | None:
-        """The next bucket (None after the last); the consumer calls ``sent`` once it is done with it."""
-        kind, value = await self._items.get()
-        if kind == "error":
-            raise value
-        return value if kind == "bucket" else None
-
-    def sent(self) -> None:
-        """The consumer has sent (and released) the oldest bucket it got: the thread may pack another. Two got and
-        not sent hold the thread back, so a consumer that announces the next bucket while one is on the wire keeps
-        the bound of two."""
-        with self._room:
-            self._unsent -= 1
-            self._room.notify_all()
-
-    async def abort(self) -> None:
-        """Stop packing (the source is still drained) and wait for the thread; buckets not sent are given back."""
-        self._stop.set()
-        self._packer.slots.abort()
-        with self._room:
-            self._room.notify_all()
-        await self._done
-        while not self._items.empty():
-            kind, value = self._items.get_nowait()
-            if kind == "bucket":
-                value[0].release()
-
-
 async def engines_dtype(engines: Sequence[WeightUpdateEngine], fallback: str | None) -> str | None:
     """The dtype to send floats in: the one every engine holds its weights in (asked through ``weight_dtype`` where
     an engine has it), else ``fallback`` (the model's own). Engines that disagree get the widest, each casting on load.
@@ -844,45 +713,39 @@ async def engines_tp(engines: Sequence[WeightUpdateEngine]) -> list[int]:
 
 async def _with_prefix_cache(engines: Sequence[WeightUpdateEngine]) -> list[WeightUpdateEngine]:
     """The engines to flush after a push: those with ``flush_cache`` that do not say they keep no prefix cache (an
-    engine that cannot be asked is flushed, as before)."""
-
-    async def keeps(engine: WeightUpdateEngine) -> bool:
-        if not hasattr(engine, "flush_cache"):
-            return False
-        ask = getattr(engine, "prefix_cache", None)
-        if ask is None:
-            return True
-        try:
-            return bool(await ask())
-        except Exception as exc:  # noqa: BLE001 - a flush too many costs a round trip; a stale cache costs more
-            log.debug("engine %s did not say whether it keeps a prefix cache (%s); it is flushed", engine.name, exc)
-            return True
-
-    found = await asyncio.gather(*(keeps(e) for e in engines))
-    return [e for e, keep in zip(engines, found) if keep]
+    engine that cannot be asked is flushed, as before: a flush too many costs a round trip, a stale cache more)."""
+    keeps = await _engines_say(engines, "prefix_cache", True)
+    return [e for e, keep in zip(engines, keeps) if keep and hasattr(e, "flush_cache")]
 
 
 async def _take_ordered_updates(engines: Sequence[WeightUpdateEngine]) -> bool:
     """Whether every engine takes a window's announcements in ``bucket_index`` order (the CPU engine says
-    ``ordered_updates`` in ``/model_info``; SGLang does not, and gets one announcement at a time)."""
+    ``ordered_updates`` in ``/model_info``; SGLang does not, and gets one announcement at a time, which is always
+    correct)."""
+    return all(await _engines_say(engines, "ordered_updates", False))
 
-    async def takes(engine: WeightUpdateEngine) -> bool:
-        ask = getattr(engine, "ordered_updates", None)
+
+async def _engines_say(engines: Sequence[WeightUpdateEngine], question: str, default: bool) -> list[bool]:
+    """Each engine's answer to an optional yes/no question (a method of that name), or ``default`` for an engine
+    that lacks it or cannot answer."""
+
+    async def says(engine: WeightUpdateEngine) -> bool:
+        ask = getattr(engine, question, None)
         if ask is None:
-            return False
+            return default
         try:
             return bool(await ask())
-        except Exception as exc:  # noqa: BLE001 - one announcement at a time is always correct
-            log.debug("engine %s did not say whether it takes announcements in order (%s)", engine.name, exc)
-            return False
+        except Exception as exc:  # noqa: BLE001 - the default is the safe answer
+            log.debug("engine %s did not answer %s (%s); taking %s", engine.name, question, exc, default)
+            return default
 
-    return all(await asyncio.gather(*(takes(e) for e in engines)))
+    return list(await asyncio.gather(*(says(e) for e in engines)))
 
 
 async def _watching(target: asyncio.Future[_T] | None, replies: dict[asyncio.Future[Any], WeightUpdateEngine]
                     ) -> _T | None:
-    """Wait for ``target`` (or, with None, for the next reply); every reply that comes in meanwhile is checked (a
-    refusal raises at once) and dropped from ``replies``."""
+    """Wait for ``target`` (with None: for every reply); every reply that comes in meanwhile is checked (a refusal
+    raises at once) and dropped from ``replies``."""
     while True:
         pending: set[asyncio.Future[Any]] = set(replies)
         if target is not None:
@@ -893,10 +756,18 @@ async def _watching(target: asyncio.Future[_T] | None, replies: dict[asyncio.Fut
         for task in done:
             if task is not target:
                 _check_reply(replies.pop(task), task, "update_weights_from_distributed")
-        if target is None:
-            return None
-        if target in done:
+        if target is not None and target in done:
             return target.result()
+
+
+async def _through(sending: asyncio.Future[None] | None, bucket: PackedBucket | None, source: Streamed | Prepacked,
+                   replies: dict[asyncio.Future[Any], WeightUpdateEngine]) -> None:
+    """Wait until the bucket on the wire (if any) is through on rank 0's side, then give it back to its source."""
+    if sending is None or bucket is None:
+        return
+    await _watching(sending, replies)
+    bucket.release()
+    source.sent()
 
 
 def _run_in_thread(fn: Callable[[], _T]) -> asyncio.Future[_T]:

@@ -55,8 +55,8 @@ class UpdateTurns:
     async def done(self, index: int, error: str | None) -> None:
         """Bucket ``index`` is received (``error`` None) or failed, which fails the rest of the window."""
         async with self._changed:
-            if error is not None and self._failed is None:
-                self._failed = f"bucket {index} of this window failed ({error})"
+            if error is not None:
+                self._fail(index, error)
             self._next = index + 1
             self._changed.notify_all()
 
@@ -64,9 +64,11 @@ class UpdateTurns:
         """Bucket ``index`` was refused before its turn: the rest of the window fails now (its bytes are coming, and
         a later receive would take them in its place)."""
         async with self._changed:
-            if self._failed is None:
-                self._failed = f"bucket {index} of this window failed ({error})"
+            self._fail(index, error)
             self._changed.notify_all()
+
+    def _fail(self, index: int, error: str) -> None:
+        self._failed = self._failed or f"bucket {index} of this window failed ({error})"
 
     def _refusal(self, index: int, push_id: str) -> str | None:
         if not self._open:
