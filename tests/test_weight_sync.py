@@ -339,7 +339,10 @@ def test_announcement_checks() -> None:
     "case",
     ["shape_mismatch", "unknown_name", "bad_dtype", "duplicate", "empty"],
 )
-def test_pusher_rejects_before_any_engine_call_or_broadcast(case: str) -> None:
+def test_pusher_rejects_before_any_announcement_or_broadcast(case: str) -> None:
+    """The first bucket is packed while the engines pause and open their windows (one round trip for all three), so
+    a tensor it refuses fails the push with the windows open: they are closed again, nothing is announced, and, as
+    after any failed push, generation stays paused until a whole push lands."""
     group = init_weight_group("127.0.0.1", _free_port(), 0, 1, "solo", timeout_s=10)
     engine = _RecordingEngine()
     expected = {"w": TensorMeta("w", "float32", (4, 4))}
@@ -353,7 +356,7 @@ def test_pusher_rejects_before_any_engine_call_or_broadcast(case: str) -> None:
     }[case]
     with pytest.raises(SyncError):
         _run(pusher.push(tensors, weight_version=1))
-    assert engine.calls == []
+    assert engine.calls == ["pause", "begin", "end"]
     group.close()
 
 
@@ -377,10 +380,23 @@ class _RecordingImpl:
         work, events = self._impl.broadcast(tensors, opts), self._events
 
         class _Work:
+            waited = False
+
             def wait(self) -> Any:
                 done = work.wait()
-                events.append(f"done {index}")
+                self._seen_done()
                 return done
+
+            def is_completed(self) -> bool:
+                completed = bool(work.is_completed())
+                if completed:
+                    self._seen_done()
+                return completed
+
+            def _seen_done(self) -> None:
+                if not self.waited:  # a work may be waited for again (WeightGroup.wait), as a real one may
+                    self.waited = True
+                    events.append(f"done {index}")
 
         return _Work()
 
@@ -411,12 +427,13 @@ def test_broadcast_all_keeps_several_in_flight_and_every_tensor_arrives_in_order
         for g in groups.values():
             g.close()
     assert all(torch.equal(a, b) for a, b in zip(got, sent))
-    # Four issued before the first wait returned; never more than four unfinished.
-    assert events[:5] == ["issue 0", "issue 1", "issue 2", "issue 3", "done 0"], events
-    unfinished = 0
+    # Four in flight at once, never more: each broadcast is seen done (waited for, or found finished before the
+    # next is issued) once.
+    unfinished, most = 0, 0
     for event in events:
         unfinished += 1 if event.startswith("issue") else -1
-        assert unfinished <= 4
+        most = max(most, unfinished)
+    assert most == 4, events
     assert events.count("done 9") == 1 and unfinished == 0
 
 

@@ -107,9 +107,12 @@ def test_large_tensors_go_out_of_their_own_memory_gathered_apart_from_the_copied
         # Large ones under one announcement (one broadcast each) until the next would pass a bucket's bytes; the
         # small ones between them do not close the run.
         (["big.a", "big.b", "big.c"], False, True),
-        # The copied ones, in the exporter's order, in one flat bucket the large ones never closed early.
-        (["small.a", "small.b", "small.c", "small.d", "big.strided"], False, False),
-        (["ids", "big.last"], True, True),  # a zero-copy bucket can be the last one, which carries the label
+        # At the end, the open run before the open flat bucket: an engine receiving the run in place starts the
+        # flat bucket's receive behind it (ordered_updates).
+        (["ids", "big.last"], False, True),
+        # The copied ones, in the exporter's order, in one flat bucket the large ones never closed early; the last
+        # bucket carries the label.
+        (["small.a", "small.b", "small.c", "small.d", "big.strided"], True, False),
     ]
     # Kept in the exporter's order, each of the two kinds would have gone in 7 announcements.
     assert packer.stats.buckets == 3
@@ -337,8 +340,8 @@ def test_a_push_sends_large_tensors_zero_copy_and_a_paused_engine_receives_them_
     new_dir = init_tiny_model("qwen3", tmp_path / "new", seed=1)
     old = transformers.AutoModelForCausalLM.from_pretrained(old_dir, dtype=torch.float32).eval()
     new = transformers.AutoModelForCausalLM.from_pretrained(new_dir, dtype=torch.float32).eval()
-    # Resident clones, as a trainer's live parameters; sorted, then a large one last, so the labelled bucket is
-    # zero-copy too.
+    # Resident clones, as a trainer's live parameters; sorted, then a large one last, so that it ends the last run,
+    # which goes out just before the labelled bucket (the last flat one).
     weights = [(n, t.clone()) for n, t in sorted(load_file(str(new_dir / "model.safetensors")).items())]
     tail = "model.layers.1.mlp.up_proj.weight"
     weights = [w for w in weights if w[0] != tail] + [w for w in weights if w[0] == tail]
@@ -366,14 +369,14 @@ def test_a_push_sends_large_tensors_zero_copy_and_a_paused_engine_receives_them_
         client.announced, client.formats = [], []
         pusher = await WeightPusher.connect([client], master_address="127.0.0.1", backend="gloo", timeout_s=60,
                                             bucket_bytes=64 * KB, zero_copy_bytes=threshold)
-        send = pusher.group.broadcast_all
+        send = pusher.group.issue
 
-        def recording(tensors: list[torch.Tensor], src: int = 0, **kw: Any) -> None:
-            # Every broadcast goes through broadcast_all (a flat bucket's alone, a run's tensors together).
+        def recording(tensors: list[torch.Tensor], src: int = 0, **kw: Any) -> Any:
+            # Every broadcast starts in issue (a flat bucket's alone, a run's tensors together).
             broadcasts.extend((t.data_ptr(), t.numel() * t.element_size(), pulled) for t in tensors)
-            send(tensors, src, **kw)
+            return send(tensors, src, **kw)
 
-        pusher.group.broadcast_all = recording  # type: ignore[method-assign]
+        pusher.group.issue = recording  # type: ignore[method-assign]
         takes: list[int] = []
         take = pusher._buffers.take
         pusher._buffers.take = lambda n: takes.append(n) or take(n)  # type: ignore[method-assign]
@@ -390,18 +393,20 @@ def test_a_push_sends_large_tensors_zero_copy_and_a_paused_engine_receives_them_
             after = await client.generate(PROMPT, {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True})
             load = await client.get_load()
             landed = {n: params[n].clone() for n, _ in weights}  # the engine is idle: nothing writes them now
-            # The failure case: the labelled (last, zero-copy) bucket of a second push fails after its receive.
+            # The failure case: the last run of a second push fails after its receive. The labelled bucket after
+            # it was received behind it (the run handed its turn on once its receives started), and must not move
+            # the label.
             receive = served.engine.weights.receive_in_place
 
             def failing(group: Any, names: list[str], dtypes: list[str], shapes: list[list[int]], *,
-                        flat: bool = True) -> Any:
-                got = receive(group, names, dtypes, shapes, flat=flat)
+                        flat: bool = True, on_issued: Any = None) -> Any:
+                got = receive(group, names, dtypes, shapes, flat=flat, on_issued=on_issued)
                 if tail in names:
                     raise RuntimeError("injected: the transfer broke")
                 return got
 
             served.engine.weights.receive_in_place = failing  # type: ignore[method-assign]
-            with pytest.raises(SyncError, match="in place failed.*weight_version stays 1"):
+            with pytest.raises(SyncError, match="weight_version stays 1"):
                 await pusher.push(exporter(), 2)
             failed_load = await client.get_load()
             version_after_failure = await client.weight_version()
@@ -469,7 +474,7 @@ def test_a_push_sends_large_tensors_zero_copy_and_a_paused_engine_receives_them_
     alone = {names[0] for names in first_push if len(names) == 1}
     in_place = sum(nbytes[n] for n in big | alone)
     loader = served.engine.weights
-    assert loader.bytes_in_place == 2 * in_place  # both pushes, the failed one's last bucket too
+    assert loader.bytes_in_place == 2 * in_place  # both pushes, the failed one's run too
     assert loader.bytes_buffered == 2 * (sum(nbytes.values()) - in_place)
     assert load.ranks[0]["weight_bytes_received_in_place"] == in_place
     assert load.total("weight_bytes_received") == sum(nbytes.values()) == stats.bytes
@@ -487,7 +492,8 @@ def test_a_push_sends_large_tensors_zero_copy_and_a_paused_engine_receives_them_
     expected_after = _reference_logprobs(old, new, after.output_ids.tolist(), 0)
     assert np.abs(np.asarray(after.output_logprobs) - expected_after).max() < LOGPROB_ATOL
 
-    # A push whose labelled bucket failed in place: the label stays, generation stays paused until a whole push.
+    # A push whose run failed in place, the labelled bucket received behind it: the label stays, generation stays
+    # paused until a whole push.
     assert out["version_after_failure"] == "1"
     assert out["failed_load"].ranks[0]["paused"] is True
 
@@ -598,9 +604,9 @@ class _RecordingControl(SGLangClient):
             raise self.says
         return await super().prefix_cache() if self.says is None else self.says
 
-    async def end_weight_update(self) -> EngineReply:
-        self.calls.append("end")
-        return await super().end_weight_update()
+    async def end_weight_update(self, **kw: Any) -> EngineReply:
+        self.calls.append("end+continue" if kw.get("continue_generation") else "end")
+        return await super().end_weight_update(**kw)
 
     async def flush_cache(self) -> EngineReply:
         self.calls.append("flush")
@@ -635,10 +641,12 @@ def test_a_push_flushes_only_engines_that_may_keep_a_prefix_cache_and_asks_once(
         (cpu, cpu_version), (cached, _), (silent, _) = asyncio.run(scenario())
     finally:
         served.stop()
-    assert cpu == ["end", "prefix_cache?", "continue", "end", "continue"]
+    # Asked once, at the first push. With nothing to flush and one engine, the end also continues (one round trip);
+    # an engine to flush is flushed between its end and the continue.
+    assert cpu == ["prefix_cache?", "end+continue", "end+continue"]
     assert cpu_version == "2"
-    assert cached == ["end", "prefix_cache?", "flush", "continue", "end", "flush", "continue"]
-    assert silent == ["end", "prefix_cache?", "flush", "continue"]
+    assert cached == ["prefix_cache?", "end", "flush", "continue", "end", "flush", "continue"]
+    assert silent == ["prefix_cache?", "end", "flush", "continue"]
 
 
 class _SlowPause(SGLangClient):

@@ -483,9 +483,11 @@ class SGLangClient:
         load_format: str | None = None,
         bucket_index: int | None = None,
         push_id: str | None = None,
+        begin_window: bool = False,
     ) -> EngineReply:
-        """Announce one bucket; the engine answers after receiving and loading every tensor in it. ``bucket_index``
-        and ``push_id`` are sent only when given (to an engine with ``ordered_updates``; SGLang knows neither)."""
+        """Announce one bucket; the engine answers after receiving and loading every tensor in it. ``bucket_index``,
+        ``push_id`` and ``begin_window`` are sent only when given (to an engine with ``ordered_updates``; SGLang
+        knows none of them)."""
         body: dict[str, Any] = {
             "names": names,
             "dtypes": dtypes,
@@ -500,11 +502,20 @@ class SGLangClient:
         if bucket_index is not None:
             body["bucket_index"] = bucket_index
             body["push_id"] = push_id
+        if begin_window:
+            body["begin_window"] = True
         return await self._weight_call("/update_weights_from_distributed", body)
 
-    async def end_weight_update(self) -> EngineReply:
-        """Close the update window."""
-        return await self._weight_call("/end_weight_update", {})
+    async def end_weight_update(self, *, push_id: str | None = None, buckets: int | None = None,
+                                continue_generation: bool = False) -> EngineReply:
+        """Close the update window. The rest is sent only when given (to an engine with ``ordered_updates``; SGLang
+        knows none of it): wait for push ``push_id``'s ``buckets`` first, then also continue generation."""
+        body: dict[str, Any] = {}
+        if buckets is not None:
+            body["push_id"], body["buckets"] = push_id, buckets
+        if continue_generation:
+            body["continue_generation"] = True
+        return await self._weight_call("/end_weight_update", body)
 
     async def destroy_weights_update_group(self, group_name: str) -> EngineReply:
         """Leave the weight group ``group_name``."""

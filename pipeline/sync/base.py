@@ -101,16 +101,21 @@ class WeightUpdateEngine(Protocol):
         load_format: str | None = None,
         bucket_index: int | None = None,
         push_id: str | None = None,
+        begin_window: bool = False,
     ) -> EngineReply:
         """Receive the announced tensors and load them; returns when loaded. One ``broadcast(src=0)`` per tensor in
         order, or with ``load_format="flattened_bucket"`` one flat uint8 broadcast of all their bytes.
 
-        ``bucket_index`` and ``push_id`` only go to an engine that takes announcements in order (``ordered_updates``):
-        the bucket's place in the window and the push it belongs to."""
+        The rest only go to an engine that takes announcements in order (``ordered_updates``): ``bucket_index`` and
+        ``push_id``, the bucket's place in the window and the push it belongs to; ``begin_window`` on bucket 0,
+        which then first pauses generation in place and opens the window for that push."""
         ...
 
-    async def end_weight_update(self) -> EngineReply:
-        """Close the update window."""
+    async def end_weight_update(self, *, push_id: str | None = None, buckets: int | None = None,
+                                continue_generation: bool = False) -> EngineReply:
+        """Close the update window. The keywords only go to an engine that takes announcements in order: wait first
+        until push ``push_id``'s ``buckets`` buckets are received, so it may be posted before their answers; then,
+        with ``continue_generation``, continue as ``continue_generation`` does."""
         ...
 
     async def pause_generation(self, mode: Literal["abort", "retract", "in_place"] = "abort") -> EngineReply:

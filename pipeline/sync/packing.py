@@ -295,11 +295,14 @@ class BucketPacker:
                 current.add(meta, tensor)
                 self.stats.tensors += 1
             else:
-                tail = [self._close(current)] if current is not None else []
-                current = None
-                if run:
-                    tail.append(self._close_run(run))
-                    run = []
+                # The run before the flat bucket: an engine that receives a run in place can start the next
+                # bucket's receive behind it (``ordered_updates``), while a flat bucket's receive into a buffer ends
+                # before the next one starts.
+                tail = [self._close_run(run)] if run else []
+                run = []
+                if current is not None:
+                    tail.append(self._close(current))
+                    current = None
                 for i, bucket in enumerate(tail):
                     yield bucket, i == len(tail) - 1
         finally:

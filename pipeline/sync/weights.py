@@ -10,6 +10,7 @@ the default group (Megatron's), and the engines are separate programs that join 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import math
 import threading
@@ -94,6 +95,9 @@ class WeightGroup:
         self.group_name = group_name
         self._broken: str | None = None
         self._closed = False
+        self._issuing = threading.Lock()  # one caller issues at a time: members match broadcasts by their order
+        self._in_flight_lock = threading.Lock()
+        self._in_flight: collections.deque[Any] = collections.deque()  # broadcasts started, oldest first
 
     @property
     def device(self) -> torch.device:
@@ -113,8 +117,17 @@ class WeightGroup:
 
         In flight together, they keep the wire busy: on gloo, 1 GB in 16 MB broadcasts moved at 1.5 GB/s one at a
         time and at 2.8 GB/s four at a time, the rate of one 1 GB broadcast (docs/weight-push.md)."""
+        self.wait(self.issue(tensors, src, window))
+
+    def issue(self, tensors: Sequence[torch.Tensor], src: int = 0, window: int = BROADCAST_WINDOW) -> list[Any]:
+        """Start one broadcast per tensor, in order, and return their handles for ``wait`` once the last one is
+        started. The window of ``window`` broadcasts in flight spans calls: the next call's first broadcast starts
+        while this call's last ones are still on the wire, so two buckets sent back to back leave no gap between
+        them (waiting for the oldest broadcast in flight, of whichever call, when the window is full). The tensors
+        must not be written or freed until ``wait`` returned. Callers issue one at a time, in the order every member
+        issues in."""
         if not tensors:
-            return
+            return []
         self._check_usable()
         for tensor in tensors:
             self._check_tensor(tensor)
@@ -123,15 +136,39 @@ class WeightGroup:
         opts.rootTensor = 0
         works: list[Any] = []
         try:
-            for tensor in tensors:
-                works.append(self._impl.broadcast([tensor], opts))
-                if len(works) >= window:
-                    works.pop(0).wait()
+            with self._issuing:
+                for tensor in tensors:
+                    while (oldest := self._oldest(window)) is not None:
+                        oldest.wait()  # not under _in_flight_lock: another thread's wait drops its works meanwhile
+                    work = self._impl.broadcast([tensor], opts)
+                    with self._in_flight_lock:
+                        self._in_flight.append(work)
+                    works.append(work)
+        except RuntimeError as exc:
+            self.mark_broken(f"broadcast failed: {exc}")
+            raise SyncError(f"broadcast in weight group {self.group_name!r} failed: {exc}") from exc
+        return works
+
+    def wait(self, works: Sequence[Any]) -> None:
+        """Block until this rank's part of every broadcast ``issue`` returned is done."""
+        try:
             for work in works:
                 work.wait()
         except RuntimeError as exc:
             self.mark_broken(f"broadcast failed: {exc}")
             raise SyncError(f"broadcast in weight group {self.group_name!r} failed: {exc}") from exc
+        finally:
+            # A work holds its tensor: dropped here, a finished one frees what its caller frees (a probe's buffer).
+            waited = {id(w) for w in works}
+            with self._in_flight_lock:
+                self._in_flight = collections.deque(w for w in self._in_flight if id(w) not in waited)
+
+    def _oldest(self, window: int) -> Any:
+        """The oldest broadcast in flight if ``window`` are, after dropping the finished ones at the front."""
+        with self._in_flight_lock:
+            while self._in_flight and self._in_flight[0].is_completed():
+                self._in_flight.popleft()
+            return self._in_flight[0] if len(self._in_flight) >= window else None
 
     def _check_usable(self) -> None:
         if self._closed:
@@ -172,6 +209,7 @@ class WeightGroup:
                 # A peer that already left makes shutdown complain; the group is gone either way.
                 pass
         self._impl = None
+        self._in_flight.clear()
         del self._store
 
 
@@ -378,6 +416,8 @@ class PushStats:
         return self.bytes / MB / self.seconds if self.seconds > 0 else math.inf
 
 
+_NOTHING_TO_PUSH = "a weight push needs at least one tensor; use /update_weight_version to only bump the version"
+
 Weights = Iterable[tuple[str, torch.Tensor]] | Sequence[PackedBucket]
 """What a push sends: named tensors, packed as they arrive, or buckets packed before (``WeightPusher.pack``)."""
 
@@ -517,29 +557,38 @@ class WeightPusher:
         buckets = tensors = sent = 0
         opened = False
         try:
-            item = await source.next()
-            if item is None:
-                raise SyncError(
-                    "a weight push needs at least one tensor; use /update_weight_version to only bump the version"
-                )
             # Paused in place for the whole push: requests keep their place and their KV cache, no forward pass
             # runs, so no token is computed from half-updated weights (docs/weight-push.md, "Generation across a
             # push"). Only a whole push continues them: one that fails leaves the engines paused until the next.
-            # The pause and the window's opening go out together, one round trip instead of two: the window only
-            # admits announcements, and none is sent before every engine answered both.
-            pauses = [asyncio.ensure_future(e.pause_generation("in_place")) for e in self.engines]
-            begins = [asyncio.ensure_future(e.begin_weight_update()) for e in self.engines]
-            opened = True  # before the answers: an engine whose window opened is closed again if another refused
-            await asyncio.wait([*pauses, *begins])
-            for task in begins:
-                task.exception()  # seen, in case a refused pause raises before the begins are checked
-            await _expect_success(self.engines, pauses, "pause_generation")
-            await _expect_success(self.engines, begins, "begin_weight_update")
-            if self._ordered is None:
-                self._ordered = await _take_ordered_updates(self.engines)
+            first = asyncio.ensure_future(source.next())
             if self._ordered:
-                buckets, tensors, sent = await self._push_ahead(source, item, version)
+                # Known from an earlier push: bucket 0's announcement pauses and opens each window itself.
+                item = await first
+                if item is None:
+                    raise SyncError(_NOTHING_TO_PUSH)
+                opened = True
+                buckets, tensors, sent = await self._push_ahead(source, item, version, begin=True)
                 item = None
+            else:
+                # The pause, the window's opening and the packing of the first bucket go on together, one round trip
+                # in all: the window only admits announcements, and none is sent before every engine answered both.
+                pauses = [asyncio.ensure_future(e.pause_generation("in_place")) for e in self.engines]
+                begins = [asyncio.ensure_future(e.begin_weight_update()) for e in self.engines]
+                opened = True  # before the answers: an engine whose window opened is closed again if another refused
+                await asyncio.wait([first, *pauses, *begins])
+                for task in [*pauses, *begins]:
+                    task.exception()  # seen, in case the first bucket or a refused pause raises before they are checked
+                item = first.result()
+                if item is None:
+                    raise SyncError(_NOTHING_TO_PUSH)
+                await _expect_success(self.engines, pauses, "pause_generation")
+                await _expect_success(self.engines, begins, "begin_weight_update")
+                if self._ordered is None:
+                    self._ordered = await _take_ordered_updates(self.engines)
+                    self._flushable = await _with_prefix_cache(self.engines) if self.flush_cache else []
+                if self._ordered:
+                    buckets, tensors, sent = await self._push_ahead(source, item, version, begin=False)
+                    item = None
             while item is not None:
                 bucket, last = item
                 # No flush with the update: SGLang refuses to flush while requests are in flight, as they are in place.
@@ -555,15 +604,22 @@ class WeightPusher:
                 await asyncio.gather(*(e.end_weight_update() for e in self.engines), return_exceptions=True)
             raise
         await source.abort()  # nothing left to stop; waits for the packing thread to end
-        await _expect_success(self.engines, [e.end_weight_update() for e in self.engines], "end_weight_update")
+        if not self._ordered:  # an engine that takes announcements in order had its end with the last one
+            await _expect_success(self.engines, [e.end_weight_update() for e in self.engines], "end_weight_update")
         if self.flush_cache:
             await self._flush_prefix_caches(version)
         # Every engine has every weight and the new label: generation continues (an engine held since it was adopted,
         # sync.lifecycle, serves from here on too).
-        await _expect_success(self.engines, [e.continue_generation() for e in self.engines], "continue_generation")
+        if not self._continued_at_end():
+            await _expect_success(self.engines, [e.continue_generation() for e in self.engines], "continue_generation")
         return PushStats(weight_version=version, tensors=tensors, buckets=buckets, bytes=sent,
                          seconds=time.perf_counter() - start, peak_buffer_bytes=source.peak_buffer_bytes,
                          zero_copy_bytes=source.zero_copy_bytes)
+
+    def _continued_at_end(self) -> bool:
+        """Whether ``/end_weight_update`` also continues generation: with one engine, which takes announcements in
+        order, and no prefix cache to flush between the two, its end means every engine has the whole push."""
+        return bool(self._ordered) and len(self.engines) == 1 and not self._flushable
 
     async def _flush_prefix_caches(self, version: str) -> None:
         """Drop cached prefixes computed by the old weights, where the engine can: SGLang refuses while requests are
@@ -610,50 +666,95 @@ class WeightPusher:
         }
 
     async def _push_ahead(self, source: Streamed | Prepacked, item: tuple[PackedBucket, bool] | None,
-                          version: str) -> tuple[int, int, int]:
-        """Send every bucket, announcing each as soon as it is packed, while the one before is still on the wire.
+                          version: str, begin: bool) -> tuple[int, int, int]:
+        """Send every bucket, announcing each as soon as it is packed, and starting its broadcasts as soon as the
+        bucket before has started its last one (its bytes still on the wire).
 
         Only for engines that take a window's announcements in the order of their ``bucket_index`` whatever order
-        they arrive in (``ordered_updates``): each one then waits for its turn at the engine and starts receiving
-        the moment the bucket before is in, instead of a round trip and a thread hop after it, about 3 ms a bucket
-        here (docs/weight-push.md). Broadcasts still go out one bucket after the other, in announced order, and the
-        packing thread still holds at most two buckets: the one on the wire and the one announced after it.
-        Returns (buckets, tensors, bytes) sent."""
+        they arrive in (``ordered_updates``): each one then waits for its turn at the engine and starts receiving the
+        moment the bucket before has started its last receive, instead of a round trip and two thread hops after
+        its last byte, about 3 ms a bucket here (docs/weight-push.md). Broadcasts still start in announced order, at
+        most ``BROADCAST_WINDOW`` in flight across buckets, and the packing thread still holds at most two buckets:
+        one is given back only once its last broadcast is through on rank 0's side. With ``begin``, bucket 0's
+        announcement pauses generation and opens the window (``begin_window``). ``/end_weight_update`` goes out
+        with the last announcement, naming the push and its bucket count, so each engine closes its window as soon
+        as the last bucket is in (and continues, ``_continued_at_end``). Returns (buckets, tensors, bytes) sent."""
         push_id = uuid.uuid4().hex
         replies: dict[asyncio.Future[Any], WeightUpdateEngine] = {}
-        sending: asyncio.Future[None] | None = None
-        on_wire: PackedBucket | None = None
+        sendings: list[_Sending] = []
+        ends: list[asyncio.Future[EngineReply]] = []
         upcoming: asyncio.Future[Any] | None = None
         buckets = tensors = sent = 0
         landed = False  # what went out before a packing error has landed: the group is still in step
         try:
             while item is not None:
                 bucket, last = item
+                opening = {"begin_window": True} if begin and buckets == 0 else {}
                 replies.update(self._announce(bucket, version if last else None, False, bucket_index=buckets,
-                                              push_id=push_id))
+                                              push_id=push_id, **opening))
                 buckets, tensors, sent = buckets + 1, tensors + len(bucket.metas), sent + bucket.nbytes
-                await _through(sending, on_wire, source, replies)
-                sending, on_wire = _run_in_thread(lambda b=bucket: self._broadcast_bucket(b)), bucket  # type: ignore[misc]
+                if last:
+                    continued = self._continued_at_end()
+                    ends = [asyncio.ensure_future(e.end_weight_update(push_id=push_id, buckets=buckets,
+                                                                      continue_generation=continued))
+                            for e in self.engines]
+                if sendings:
+                    await _watching(sendings[-1].issued, replies)  # the group matches broadcasts by their order
+                sendings.append(self._send(bucket, source))
                 upcoming = asyncio.ensure_future(source.next())
                 try:
                     item = await _watching(upcoming, replies)
                 except BaseException as exc:
                     if upcoming.done() and not upcoming.cancelled() and upcoming.exception() is exc:
-                        # A tensor the packer refused (the engines have not been told of it): the bucket on the
-                        # wire is whole, so let it land, as the one-at-a-time push does, and keep the group.
-                        await _watching(sending, replies)
+                        # A tensor the packer refused (the engines have not been told of it): the buckets on the
+                        # wire are whole, so let them land, as the one-at-a-time push does, and keep the group.
+                        for sending in sendings:
+                            await _watching(sending.done, replies)
                         await _watching(None, replies)
                         landed = True
                     raise
-            await _through(sending, on_wire, source, replies)
+            for sending in sendings:
+                await _watching(sending.done, replies)
             await _watching(None, replies)
         except BaseException as exc:
-            for task in [*replies, *([upcoming] if upcoming is not None else [])]:
+            for task in [*replies, *ends, *([upcoming] if upcoming is not None else [])]:
                 task.cancel()
             if not landed:
                 self.group.mark_broken(f"a weight push failed mid-bucket: {exc}")
             raise
+        # Every bucket is in on every engine: what fails from here is a load, and the group is still in step.
+        await _expect_success(self.engines, ends, "end_weight_update")
         return buckets, tensors, sent
+
+    def _send(self, bucket: PackedBucket, source: Streamed | Prepacked) -> _Sending:
+        """Broadcast one bucket from a thread; it goes back to ``source`` once its bytes are through here."""
+        loop = asyncio.get_running_loop()
+        issued: asyncio.Future[None] = loop.create_future()
+
+        def settle(error: BaseException | None) -> None:
+            if not issued.done():
+                issued.set_result(None) if error is None else issued.set_exception(error)
+
+        def send() -> None:
+            try:
+                works = self._issue_bucket(bucket)
+            except BaseException as exc:
+                _call_soon(loop, settle, exc)
+                raise
+            _call_soon(loop, settle, None)
+            self.group.wait(works)
+
+        def give_back(done: asyncio.Future[None]) -> None:
+            # Only a bucket whose bytes are through: after a failure, a broadcast may still read it (the failed
+            # push's buffers are dropped, BucketSlots.reset).
+            if not done.cancelled() and done.exception() is None:
+                bucket.release()
+                source.sent()
+
+        issued.add_done_callback(lambda f: f.cancelled() or f.exception())
+        done = _run_in_thread(send)
+        done.add_done_callback(give_back)
+        return _Sending(issued, done)
 
     async def _push_bucket(self, bucket: PackedBucket, weight_version: str | None, flush_cache: bool) -> None:
         posts = self._announce(bucket, weight_version, flush_cache)
@@ -676,15 +777,26 @@ class WeightPusher:
             raise
 
     def _broadcast_bucket(self, bucket: PackedBucket) -> None:
+        self.group.wait(self._issue_bucket(bucket))
+
+    def _issue_bucket(self, bucket: PackedBucket) -> list[Any]:
         # Every receiver allocates exactly the announced bytes; a broadcast of another size would abort it (SIGABRT
         # in gloo), so the sizes are checked here, before anything is sent.
         announced = sum(m.nbytes for m in bucket.metas)
         if bucket.nbytes != announced:
             raise SyncError(f"a bucket of {bucket.nbytes} bytes was announced as {announced}; nothing was sent")
         if self.flat and bucket.parts is None:
-            self.group.broadcast(bucket.flat, src=0)
-            return
-        self.group.broadcast_all([tensor.contiguous() for _, tensor in bucket.tensors()], src=0)
+            return self.group.issue([bucket.flat], src=0)
+        # The works hold their tensors until done, a contiguous copy included.
+        return self.group.issue([tensor.contiguous() for _, tensor in bucket.tensors()], src=0)
+
+
+@dataclass
+class _Sending:
+    """One bucket's broadcasts from rank 0: ``issued`` once the last one started, ``done`` once all are through."""
+
+    issued: asyncio.Future[None]
+    done: asyncio.Future[None]
 
 
 async def engines_dtype(engines: Sequence[WeightUpdateEngine], fallback: str | None) -> str | None:
@@ -760,14 +872,12 @@ async def _watching(target: asyncio.Future[_T] | None, replies: dict[asyncio.Fut
             return target.result()
 
 
-async def _through(sending: asyncio.Future[None] | None, bucket: PackedBucket | None, source: Streamed | Prepacked,
-                   replies: dict[asyncio.Future[Any], WeightUpdateEngine]) -> None:
-    """Wait until the bucket on the wire (if any) is through on rank 0's side, then give it back to its source."""
-    if sending is None or bucket is None:
-        return
-    await _watching(sending, replies)
-    bucket.release()
-    source.sent()
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
+    """``fn(*args)`` on ``loop`` from another thread; nothing if the loop is gone (its push failed and moved on)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        pass
 
 
 def _run_in_thread(fn: Callable[[], _T]) -> asyncio.Future[_T]:
@@ -787,20 +897,13 @@ def _run_in_thread(fn: Callable[[], _T]) -> asyncio.Future[_T]:
         else:
             future.set_result(result)  # type: ignore[arg-type]
 
-    def _hand_over(result: _T | None, error: BaseException | None) -> None:
-        try:
-            loop.call_soon_threadsafe(_settle, result, error)
-        except RuntimeError:
-            # The loop is gone: the push that started this broadcast already failed and its caller moved on.
-            pass
-
     def _target() -> None:
         try:
             result = fn()
         except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine, not swallowed
-            _hand_over(None, exc)
+            _call_soon(loop, _settle, None, exc)
         else:
-            _hand_over(result, None)
+            _call_soon(loop, _settle, result, None)
 
     threading.Thread(target=_target, name="sluice-weight-broadcast", daemon=True).start()
     # Nobody may be awaiting any more (the push already failed); retrieve the outcome so asyncio does not warn.

@@ -159,6 +159,11 @@ class Engine:
         self.update_lock = asyncio.Lock()
         self.turns = UpdateTurns()
         """The order of a window's indexed announcements (``ordered_updates``)."""
+        self.receiving: set[asyncio.Future[Any]] = set()
+        """Indexed in-place receives whose bytes are still coming after they gave up ``update_lock`` (the next
+        bucket's receives start behind them); whoever else needs the group or the weights waits for them too."""
+        self.window_serial = 0
+        """Counts ``/begin_weight_update`` calls: a receive that outlived its window must not load or label."""
         self.weight_bytes_received = 0
         """Bytes taken off the weight group since start (what the trainer's push put on the wire)."""
         self.rank_bytes_received = [0] * cfg.tp

@@ -24,7 +24,7 @@ shard, is refused before anything is written rather than leaving a model that is
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -160,13 +160,15 @@ class WeightLoader:
         return targets
 
     def receive_in_place(
-        self, group: WeightGroup, names: list[str], dtypes: list[str], shapes: list[list[int]], *, flat: bool = True
+        self, group: WeightGroup, names: list[str], dtypes: list[str], shapes: list[list[int]], *, flat: bool = True,
+        on_issued: Callable[[], None] | None = None,
     ) -> list[tuple[str, torch.Tensor]]:
         """Receive an announcement straight into its targets' memory (``in_place_targets`` must give them): a flat
         bucket of one tensor, or the per-tensor wire's broadcasts, each into its own tensor. Returns
         ``(name, target)`` pairs, which need no ``apply``. The caller keeps forward passes off the model until this
         returns; if the transfer fails, the tensors not yet received keep their old values and the one in flight is
-        undefined until a later update writes it."""
+        undefined until a later update writes it. ``on_issued`` is called once every receive has started (the
+        group's next receives may start from then on, ``WeightGroup.issue``), before their bytes are in."""
         self.check(names, dtypes, shapes)
         targets = self.in_place_targets(names, dtypes, shapes, flat=flat)
         if targets is None:
@@ -174,9 +176,12 @@ class WeightLoader:
                               "and of the announced dtype and shape, and a flat bucket must hold one tensor")
         if flat:
             # The uint8 view is the parameter's own memory: gloo writes the broadcast there, nothing in between.
-            receive_flat(group, names, dtypes, shapes, targets[0].view(-1).view(torch.uint8))
+            works = group.issue([targets[0].view(-1).view(torch.uint8)], src=0)
         else:
-            group.broadcast_all(targets, src=0)  # the announced order is the order of the sender's broadcasts
+            works = group.issue(targets, src=0)  # the announced order is the order of the sender's broadcasts
+        if on_issued is not None:
+            on_issued()
+        group.wait(works)
         with self._pool_lock:
             self.bytes_in_place += sum(t.numel() * t.element_size() for t in targets)
         return list(zip(names, targets))

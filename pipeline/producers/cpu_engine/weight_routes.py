@@ -35,7 +35,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from aiohttp import web
@@ -99,6 +100,23 @@ class UpdateFromDistributedRequest(BaseModel):
     (``update_turns.py``); None: received as it comes, as SGLang does."""
     push_id: str | None = None
     """sluice's own, with ``bucket_index``: the push the bucket belongs to."""
+    begin_window: bool = False
+    """sluice's own, on bucket 0 of a push with ``push_id``: pause generation in place and open the window for that
+    push first, as ``/pause_generation`` ``in_place`` and ``/begin_weight_update`` do: a round trip less per push.
+    The push's later announcements and its end may arrive before it; they wait for the window."""
+
+
+class EndUpdateRequest(BaseModel):
+    """Body of ``/end_weight_update`` (SGLang sends none of these fields)."""
+
+    model_config = ConfigDict(extra="ignore")
+    push_id: str | None = None
+    """sluice's own: the push whose buckets to wait for."""
+    buckets: int | None = Field(default=None, ge=1)
+    """sluice's own, with ``push_id``: how many buckets that push announced."""
+    continue_generation: bool = False
+    """sluice's own: continue generation once the whole push is loaded. Only a pusher with this one engine asks:
+    with several, generation continues only once every engine has the whole push."""
 
 
 class UpdateFromDiskRequest(BaseModel):
@@ -157,16 +175,45 @@ class WeightRoutes:
         return reply(True, f"left weight group {name!r}")
 
     async def begin_update(self, request: web.Request) -> web.Response:
-        """``POST /begin_weight_update``: open the window in which updates are accepted. Nothing of an earlier
-        window counts in it (a receive of a failed push that finished after that window closed, say)."""
-        engine = self.engine
-        engine.update_window_open = True
-        engine.updated_in_window = engine.load_failed_in_window = False
-        await engine.turns.open()
+        """``POST /begin_weight_update``: open the window in which updates are accepted."""
+        await self._open_window(None)
         return reply(True, "weight update window opened")
 
+    async def _open_window(self, push_id: str | None) -> None:
+        """Nothing of an earlier window counts in the new one (a receive of a failed push that finished after that
+        window closed, say)."""
+        engine = self.engine
+        engine.update_window_open = True
+        engine.window_serial += 1
+        engine.updated_in_window = engine.load_failed_in_window = False
+        await engine.turns.open(push_id)
+
     async def end_update(self, request: web.Request) -> web.Response:
-        """``POST /end_weight_update``: answers once every bucket received is loaded."""
+        """``POST /end_weight_update``: answers once every bucket received is loaded. With ``push_id`` and
+        ``buckets`` (sluice's own, from a pusher that announces ahead), it may arrive before the push's last
+        announcements: it first waits until that push's buckets ``0 .. buckets - 1`` are received (or one failed),
+        so the pusher posts it with the last announcement, not a round trip after its answer. With
+        ``continue_generation`` too, a whole push also continues generation, as ``/continue_generation`` does."""
+        try:
+            body = EndUpdateRequest.model_validate(await json_body(request))
+        except ValidationError as exc:
+            return reply(False, f"invalid /end_weight_update request: {exc}")
+        if body.buckets is not None:
+            push = body.push_id or ""
+            failed = await self.engine.turns.settled(body.buckets, push)
+            if failed is not None:
+                if not self.engine.turns.holds(push):  # another push's window: not this request's to close
+                    return reply(False, f"{failed}; weight_version stays {self.engine.generator.version}")
+                await self._close_window()
+                return reply(False, f"{failed}; the window is closed, weight_version stays "
+                                    f"{self.engine.generator.version}", 500)
+        success, message, status = await self._close_window()
+        if success and body.continue_generation:
+            self._continue()
+            message = f"{message}; generation continues"
+        return reply(success, message, status)
+
+    async def _close_window(self) -> tuple[bool, str, int | None]:
         engine = self.engine
         engine.update_window_open = False
         await engine.turns.close()
@@ -175,11 +222,11 @@ class WeightRoutes:
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             engine.updated_in_window = False
-            return reply(False, f"loading a received bucket failed: {failed[0]!r}", status=500)
+            return False, f"loading a received bucket failed: {failed[0]!r}", 500
         if engine.updated_in_window:
             self._release()  # a whole push has landed: the weights are the trainer's now
         engine.updated_in_window = False
-        return reply(True, "weight update window closed")
+        return True, "weight update window closed", None
 
     def _release(self) -> None:
         if self.engine.held:
@@ -191,14 +238,20 @@ class WeightRoutes:
         """``POST /update_weights_from_distributed``: receive the announced tensors, then load them between steps.
         An announcement with a ``bucket_index`` waits for its turn in the window first (``update_turns.py``)."""
         engine = self.engine
-        if not engine.update_window_open:
-            return reply(
-                False, "update_weights_from_distributed must come between /begin_weight_update and /end_weight_update"
-            )
         try:
             body = UpdateFromDistributedRequest.model_validate(await json_body(request))
         except ValidationError as exc:
             return reply(False, f"invalid /update_weights_from_distributed request: {exc}")
+        if body.begin_window:
+            if body.bucket_index != 0 or not body.push_id:
+                return reply(False, "begin_window goes with bucket_index 0 and a push_id")
+            engine.scheduler.set_paused(True)  # in place, as /pause_generation {"mode": "in_place"}
+            await self._open_window(body.push_id)
+        elif body.bucket_index is None and not engine.update_window_open:
+            # An indexed one may come before the announcement that opens its push's window: its turn waits for it.
+            return reply(
+                False, "update_weights_from_distributed must come between /begin_weight_update and /end_weight_update"
+            )
         # Checked before the turn, while the bucket before is still on the wire: that is time the turn would wait.
         refused, group = self._check_bucket(body)
         if body.bucket_index is None:
@@ -211,7 +264,7 @@ class WeightRoutes:
             return reply(False, f"{refused}; nothing was received")
         success, message, status = False, "the receive was interrupted", 500
         try:
-            success, message, status = await self._receive_bucket(body, group)
+            success, message, status = await self._receive_bucket(body, group, body.bucket_index)
         finally:
             await engine.turns.done(body.bucket_index, None if success else message)
         return reply(success, message, status)
@@ -230,23 +283,17 @@ class WeightRoutes:
             return f"no weight group named {body.group_name!r}; call /init_weights_update_group first", None
         return "", group
 
-    async def _receive_bucket(self, body: UpdateFromDistributedRequest, group: TpWeightGroup
-                              ) -> tuple[bool, str, int | None]:
-        """Receive one checked bucket and queue its load: (success, message, HTTP status)."""
+    async def _receive_bucket(self, body: UpdateFromDistributedRequest, group: TpWeightGroup,
+                              index: int | None = None) -> tuple[bool, str, int | None]:
+        """Receive one checked bucket and queue its load: (success, message, HTTP status). An indexed bucket received
+        in place hands its turn (and ``update_lock``) on as soon as its receives have started, so the next bucket's
+        start behind them with no gap on the wire; every other receive holds both until its bytes are in."""
         engine = self.engine
+        serial = engine.window_serial
         async with engine.update_lock:
             if not engine.update_window_open:  # closed while this request waited for the lock
                 return False, "the weight update window closed before this bucket's turn; nothing was received", None
-            if self._in_place(body, group):
-                try:
-                    tensors = await asyncio.to_thread(self._receive_in_place, group, body)
-                except (SluiceError, RuntimeError) as exc:
-                    shown = body.names[0] if len(body.names) == 1 else f"{len(body.names)} tensors from {body.names[0]}"
-                    return False, (f"receiving {shown} in place failed: {exc}. What it had not received keeps the "
-                                   "old values and the tensor in flight is undefined until a whole push lands; "
-                                   f"weight_version stays {engine.generator.version}"), 500
-                loaded: list[tuple[str, torch.Tensor]] = []  # already in the model: the load only moves the label
-            else:
+            if not self._in_place(body, group):
                 try:
                     # Received off the scheduler thread into buffers, so generation (if not paused) goes on during
                     # the transfer and a failed transfer leaves the old weights whole.
@@ -256,16 +303,75 @@ class WeightRoutes:
                                                       engine.weights.recycle)
                 except (SluiceError, RuntimeError) as exc:
                     return False, f"receiving the weights failed, old weights kept: {exc}", 500
-                loaded = tensors
-            engine.weight_bytes_received += sum(t.numel() * t.element_size() for _, t in tensors)
-            # Loaded by the scheduler between forward passes, in arrival order, while the next bucket is received:
-            # the answer means "received", and /end_weight_update answers once every load is done. Generation is
-            # paused during a push (pipeline.sync.weights), and the label moves with the last bucket's load, also
-            # when that bucket was received in place (its load then only sets the label).
-            engine.pending_loads.append(engine.scheduler.call(lambda: self._load(loaded, body)))
-            # The pusher labels only its last bucket: a window that saw the label received a whole push.
-            engine.updated_in_window = engine.updated_in_window or body.weight_version is not None
+                engine.weight_bytes_received += _nbytes(tensors)
+                refused = await self._may_load(body, index, serial)
+                if refused is not None:
+                    engine.weights.recycle(tensors)
+                    return False, refused, 500
+                self._queue_load(tensors, body)
+                return True, f"received {len(tensors)} tensors; they load before /end_weight_update answers", None
+            receiving, issued = self._start_in_place(group, body)
+            if index is None:
+                await asyncio.wait([receiving])
+            else:
+                engine.receiving.add(receiving)
+                receiving.add_done_callback(engine.receiving.discard)
+                if await _first(issued, receiving):
+                    await engine.turns.started(index)
+        try:
+            tensors = await receiving
+        except (SluiceError, RuntimeError) as exc:
+            shown = body.names[0] if len(body.names) == 1 else f"{len(body.names)} tensors from {body.names[0]}"
+            return False, (f"receiving {shown} in place failed: {exc}. What it had not received keeps the old values "
+                           "and the tensor in flight is undefined until a whole push lands; weight_version stays "
+                           f"{engine.generator.version}"), 500
+        engine.weight_bytes_received += _nbytes(tensors)
+        refused = await self._may_load(body, index, serial)
+        if refused is not None:
+            return False, refused, 500
+        self._queue_load([], body)  # already in the model: the load only moves the label
         return True, f"received {len(tensors)} tensors; they load before /end_weight_update answers", None
+
+    async def _may_load(self, body: UpdateFromDistributedRequest, index: int | None, serial: int) -> str | None:
+        """Why a received bucket may not be loaded, or None. An indexed bucket may have been received behind
+        buckets still arriving (``started``): the label moves only once every one of them landed."""
+        engine = self.engine
+        if index is not None and body.weight_version is not None:
+            failed = await engine.turns.settled(index, body.push_id or "")
+            if failed is not None:
+                return (f"{failed}; this bucket was received, but weight_version stays {engine.generator.version} "
+                        "until a whole push lands")
+        if engine.window_serial != serial or not engine.update_window_open:
+            return ("the weight update window closed while this bucket was received; weight_version stays "
+                    f"{engine.generator.version} until a whole push lands")
+        return None
+
+    def _queue_load(self, loaded: list[tuple[str, torch.Tensor]], body: UpdateFromDistributedRequest) -> None:
+        engine = self.engine
+        # Loaded by the scheduler between forward passes, in arrival order, while the next bucket is received: the
+        # answer means "received", and /end_weight_update answers once every load is done. Generation is paused
+        # during a push (pipeline.sync.weights), and the label moves with the last bucket's load, also when that
+        # bucket was received in place (its load then only sets the label).
+        engine.pending_loads.append(engine.scheduler.call(lambda: self._load(loaded, body)))
+        # The pusher labels only its last bucket: a window that saw the label received a whole push.
+        engine.updated_in_window = engine.updated_in_window or body.weight_version is not None
+
+    def _start_in_place(self, group: TpWeightGroup, body: UpdateFromDistributedRequest
+                        ) -> tuple[asyncio.Future[list[tuple[str, torch.Tensor]]], asyncio.Future[None]]:
+        """The in-place receive, running in a thread, and a future done once every one of its receives started."""
+        loop = asyncio.get_running_loop()
+        issued: asyncio.Future[None] = loop.create_future()
+
+        def on_issued() -> None:
+            loop.call_soon_threadsafe(lambda: issued.done() or issued.set_result(None))
+
+        receiving = asyncio.ensure_future(asyncio.to_thread(self._receive_in_place, group, body, on_issued))
+        return receiving, issued
+
+    async def _quiet(self) -> None:
+        """Wait for in-place receives still in flight (``update_lock`` held: no new one starts)."""
+        if self.engine.receiving:
+            await asyncio.wait(list(self.engine.receiving))
 
     def _in_place(self, body: UpdateFromDistributedRequest, group: TpWeightGroup) -> bool:
         """Whether this bucket is received straight into its parameters: a flat bucket of one tensor, or the
@@ -280,15 +386,15 @@ class WeightRoutes:
         return (len(group.members) == 1 and not body.abort_all_requests and engine.scheduler.paused
                 and engine.weights.in_place_targets(body.names, body.dtypes, body.shapes, flat=flat) is not None)
 
-    def _receive_in_place(self, group: TpWeightGroup, body: UpdateFromDistributedRequest
-                          ) -> list[tuple[str, torch.Tensor]]:
+    def _receive_in_place(self, group: TpWeightGroup, body: UpdateFromDistributedRequest,
+                          on_issued: Callable[[], None]) -> list[tuple[str, torch.Tensor]]:
         """Runs off the event loop. Paused or not, no forward pass may read the tensor half-written: the hold waits
         for a pass already running when the pause came (it finishes under the old weights) and keeps new ones off
         even if generation is continued meanwhile."""
         with self.engine.scheduler.hold_passes():
             flat = body.load_format == FLAT_FORMAT
-            return group.receive(functools.partial(self.engine.weights.receive_in_place, flat=flat), body.names,
-                                 body.dtypes, body.shapes)
+            return group.receive(functools.partial(self.engine.weights.receive_in_place, flat=flat,
+                                                   on_issued=on_issued), body.names, body.dtypes, body.shapes)
 
     def _load(self, tensors: list[tuple[str, torch.Tensor]], body: UpdateFromDistributedRequest) -> None:
         """Runs in the scheduler thread, between two forward passes."""
@@ -314,6 +420,7 @@ class WeightRoutes:
         except ValidationError as exc:
             return reply(False, f"invalid /update_weights_from_disk request: {exc}")
         async with engine.update_lock:
+            await self._quiet()
             try:
                 tensors = await asyncio.to_thread(engine.weights.read_folder, body.model_path)
             except EngineError as exc:
@@ -363,9 +470,12 @@ class WeightRoutes:
 
     async def resume(self, request: web.Request) -> web.Response:
         """``POST /continue_generation``."""
+        self._continue()
+        return reply(True, "generation continues")
+
+    def _continue(self) -> None:
         self.engine.held = False  # an explicit go-ahead overrides a hold
         self.engine.scheduler.set_paused(False)
-        return reply(True, "generation continues")
 
     async def weight_group_probe(self, request: web.Request) -> web.Response:
         """``POST /weight_group_probe`` ``{group_name, nbytes, prepare}`` (sluice only, for ``sluice bench sync``):
@@ -380,6 +490,7 @@ class WeightRoutes:
                 await asyncio.to_thread(group.prepare_probe, nbytes)
             else:
                 async with self.engine.update_lock:
+                    await self._quiet()
                     await asyncio.to_thread(group.probe, nbytes)
         except (SluiceError, RuntimeError) as exc:
             return reply(False, f"probe failed: {exc}", status=500)
@@ -388,3 +499,13 @@ class WeightRoutes:
     async def flush_cache(self, request: web.Request) -> web.Response:
         """``POST /flush_cache``: nothing to flush (no prefix cache); kept for protocol compatibility."""
         return reply(True, "Cache flushed (the CPU engine keeps no prefix cache).")
+
+
+async def _first(wanted: asyncio.Future[Any], other: asyncio.Future[Any]) -> bool:
+    """Wait until ``wanted`` or ``other`` is done; whether ``wanted`` is (and did not fail)."""
+    await asyncio.wait([wanted, other], return_when=asyncio.FIRST_COMPLETED)
+    return wanted.done() and not wanted.cancelled() and wanted.exception() is None
+
+
+def _nbytes(tensors: list[tuple[str, torch.Tensor]]) -> int:
+    return sum(t.numel() * t.element_size() for _, t in tensors)
