@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from aiohttp import web
 
 from pipeline.producers.sglang_client import NO_RETRY, SGLangClient
@@ -124,3 +125,46 @@ async def pushing(url: str, client: SGLangClient | None = None, **pusher_args: A
     finally:
         await pusher.close()
         await client.close()
+
+
+class RecordingImpl:
+    """A real process group that records, in order, when each broadcast was issued ("issue N") and when it was first
+    seen done ("done N": its wait returned, or ``is_completed`` said so); thread-safe, as several threads issue and
+    wait on one weight group."""
+
+    def __init__(self, impl: Any, events: list[str]) -> None:
+        self._impl, self._events, self._issued = impl, events, 0
+        self._lock = threading.Lock()
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        with self._lock:
+            index = self._issued
+            self._issued += 1
+            self._events.append(f"issue {index}")
+        return _RecordedWork(self._impl.broadcast(tensors, opts), index, self._events, self._lock)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._impl, name)
+
+
+class _RecordedWork:
+    def __init__(self, work: Any, index: int, events: list[str], lock: threading.Lock) -> None:
+        self._work, self._index, self._events, self._lock = work, index, events, lock
+        self._seen = False
+
+    def wait(self) -> Any:
+        done = self._work.wait()
+        self._seen_done()
+        return done
+
+    def is_completed(self) -> bool:
+        completed = bool(self._work.is_completed())
+        if completed:
+            self._seen_done()
+        return completed
+
+    def _seen_done(self) -> None:
+        with self._lock:
+            if not self._seen:  # a work may be waited for again (WeightGroup.wait), as a real one may
+                self._seen = True
+                self._events.append(f"done {self._index}")

@@ -13,13 +13,14 @@ CPU engine (served in this process, so its parameters can be read) on a real glo
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from engines import ServedEngine, pushing
+from engines import RecordingImpl, ServedEngine, pushing
 from safetensors.torch import load_file
 
 from pipeline.models.tiny import init_tiny_model
@@ -224,3 +225,117 @@ def test_turns_refuse_another_push_and_a_repeated_index_and_let_the_right_one_th
     assert got[0] is None and got[2] is None and got[4] is None
     assert got[1] is not None and "another" not in got[1] and "push 'a'" in got[1]
     assert got[3] is not None and "came after bucket 1" in got[3]
+
+
+def _announce_run(client: SGLangClient, pusher: WeightPusher, index: int, named: list[tuple[str, torch.Tensor]],
+                  push_id: str = "push-a", **extra: Any) -> asyncio.Future[Any]:
+    """A run on the per-tensor wire (one broadcast per tensor), as the pusher announces zero-copy tensors."""
+    return asyncio.ensure_future(client.update_weights_from_distributed(
+        names=[n for n, _ in named], dtypes=["float32"] * len(named), shapes=[list(t.shape) for _, t in named],
+        group_name=pusher.group.group_name, flush_cache=False, weight_version=None, bucket_index=index,
+        push_id=push_id, **extra))
+
+
+async def _until(events: list[str], wanted: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while wanted not in events and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+
+
+def test_the_engine_starts_receiving_the_next_bucket_while_the_one_before_is_still_arriving(
+    served: tuple[ServedEngine, Weights],
+) -> None:
+    """An in-place bucket hands its turn on once its receives have started (``UpdateTurns.started``): bucket 1's
+    receive is posted behind bucket 0's before a byte of either was sent, so the wire never waits for the engine
+    between buckets. Bucket 1 and the end also come before the window-opening bucket 0 here, and wait for it."""
+    engine, weights = served
+    new = dict(weights)
+    gate, up, down = (f"model.layers.0.mlp.{n}_proj.weight" for n in ("gate", "up", "down"))
+    events: list[str] = []
+
+    async def scenario() -> tuple[list[str], list[Any], bool]:
+        async with pushing(engine.url) as (client, pusher):
+            member = engine.engine.groups[pusher.group.group_name].members[0]
+            member._impl = RecordingImpl(member._impl, events)
+            second = _announce_run(client, pusher, 1, [(down, new[down])])
+            end = asyncio.ensure_future(client.end_weight_update(push_id="push-a", buckets=2,
+                                                                 continue_generation=True))
+            await asyncio.sleep(0.2)  # both wait: no window is open yet
+            assert not second.done() and not end.done()
+            first = _announce_run(client, pusher, 0, [(gate, new[gate]), (up, new[up])], begin_window=True)
+            await _until(events, "issue 2")
+            posted = list(events)  # the engine's side, before the trainer sent anything
+            await asyncio.to_thread(pusher.group.broadcast_all, [new[gate], new[up], new[down]])
+            replies = [await asyncio.wait_for(f, 10) for f in (first, second, end)]
+            return posted, replies, engine.engine.scheduler.paused
+
+    posted, replies, paused = asyncio.run(scenario())
+    assert posted == ["issue 0", "issue 1", "issue 2"]  # bucket 1's receive behind bucket 0's, none done
+    assert all(r.success for r in replies), replies
+    assert "generation continues" in replies[2].message and paused is False
+    params = engine.engine.model.state_dict()
+    assert all(torch.equal(params[n], new[n]) for n in (gate, up, down))
+
+
+def test_the_pusher_starts_the_next_buckets_broadcasts_while_the_one_before_is_on_the_wire(tmp_path: Path) -> None:
+    """Rank 0 issues bucket 1's broadcasts once bucket 0's have all started (``WeightGroup.issue``), not once they
+    are through: here the engine holds off receiving bucket 0 for 0.3 s, and bucket 1 is already on its way. The
+    second push goes out without /pause_generation and /begin_weight_update (bucket 0 carries them), and both
+    land bit for bit."""
+    shape = {"hidden_size": 128, "intermediate_size": 2048, "num_hidden_layers": 2}  # MLP tensors of 1 MB
+    model = ServedEngine(init_tiny_model("qwen3", tmp_path / "m", seed=0, **shape))
+    new_dir = init_tiny_model("qwen3", tmp_path / "new", seed=1, **shape)
+    weights = sorted(load_file(str(new_dir / "model.safetensors")).items())
+    receive = model.engine.weights.receive_in_place
+    held = []
+
+    def late(*args: Any, **kw: Any) -> Any:
+        if not held:
+            held.append(True)
+            time.sleep(0.3)
+        return receive(*args, **kw)
+
+    model.engine.weights.receive_in_place = late  # type: ignore[method-assign]
+    events: list[str] = []
+
+    async def scenario() -> tuple[list[list[str]], list[str], str]:
+        client = _Calls(model.url, retry=NO_RETRY)
+        client.calls, client.announced = [], []
+        async with pushing(model.url, client, bucket_bytes=2 << 20, zero_copy_bytes=1 << 20) as (_, pusher):
+            pusher.group._impl = RecordingImpl(pusher.group._impl, events)
+            await pusher.push(weights, 1)
+            first = len(client.calls)
+            await pusher.push(weights, 2)
+            return client.announced, client.calls[first:], (await client.model_info()).weight_version
+
+    try:
+        announced, second_push, version = asyncio.run(scenario())
+    finally:
+        model.stop()
+    in_first = len(announced[0])
+    assert in_first >= 2
+    assert events.index(f"issue {in_first}") < events.index(f"done {in_first - 1}"), events[: 3 * in_first]
+    assert "pause" not in second_push and "begin" not in second_push and second_push[0] == "update+begin"
+    assert version == "2"
+    params = model.engine.model.state_dict()
+    assert all(torch.equal(params[n], t) for n, t in weights)
+
+
+class _Calls(SGLangClient):
+    """A real client that records its weight calls and the names of each announcement."""
+
+    calls: list[str]
+    announced: list[list[str]]
+
+    async def pause_generation(self, mode: Any = "abort") -> Any:
+        self.calls.append("pause")
+        return await super().pause_generation(mode)
+
+    async def begin_weight_update(self) -> Any:
+        self.calls.append("begin")
+        return await super().begin_weight_update()
+
+    async def update_weights_from_distributed(self, **kw: Any) -> Any:  # type: ignore[override]
+        self.calls.append("update+begin" if kw.get("begin_window") else "update")
+        self.announced.append(list(kw["names"]))
+        return await super().update_weights_from_distributed(**kw)

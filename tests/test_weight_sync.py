@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from engines import RecordingImpl
 
 from pipeline.errors import SyncError
 from pipeline.sync.base import EngineReply, TensorMeta
@@ -367,40 +368,6 @@ def test_init_weight_group_rejects_bad_arguments() -> None:
         init_weight_group("127.0.0.1", _free_port(), 2, 2, "g")
 
 
-class _RecordingImpl:
-    """A real gloo process group that records when each broadcast was issued and when its wait returned."""
-
-    def __init__(self, impl: Any, events: list[str]) -> None:
-        self._impl, self._events, self._issued = impl, events, 0
-
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
-        index = self._issued
-        self._issued += 1
-        self._events.append(f"issue {index}")
-        work, events = self._impl.broadcast(tensors, opts), self._events
-
-        class _Work:
-            waited = False
-
-            def wait(self) -> Any:
-                done = work.wait()
-                self._seen_done()
-                return done
-
-            def is_completed(self) -> bool:
-                completed = bool(work.is_completed())
-                if completed:
-                    self._seen_done()
-                return completed
-
-            def _seen_done(self) -> None:
-                if not self.waited:  # a work may be waited for again (WeightGroup.wait), as a real one may
-                    self.waited = True
-                    events.append(f"done {index}")
-
-        return _Work()
-
-
 def test_broadcast_all_keeps_several_in_flight_and_every_tensor_arrives_in_order() -> None:
     """On gloo one broadcast at a time left the wire idle between them (16 MB ones moved at half the rate of one big
     broadcast); ``broadcast_all`` issues the next before the one before has finished, up to its window."""
@@ -417,7 +384,7 @@ def test_broadcast_all_keeps_several_in_flight_and_every_tensor_arrives_in_order
     sent = [torch.full((1 << 18,), float(i)) for i in range(10)]  # 1 MiB each, each its own value
     got = [torch.empty_like(t) for t in sent]
     events: list[str] = []
-    groups[0]._impl = _RecordingImpl(groups[0]._impl, events)
+    groups[0]._impl = RecordingImpl(groups[0]._impl, events)
     try:
         receiving = threading.Thread(target=groups[1].broadcast_all, args=(got, 0))
         receiving.start()

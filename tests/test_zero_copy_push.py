@@ -674,24 +674,37 @@ class _SlowPause(SGLangClient):
 
 
 @pytest.mark.slow
-def test_the_pause_and_the_window_go_out_together_and_no_announcement_before_both_answered(tmp_path: Path) -> None:
+def test_the_pause_the_window_and_the_first_bucket_go_together_and_no_announcement_before_both_answered(
+    tmp_path: Path,
+) -> None:
+    """One round trip before the first bucket, not two, and the first bucket packed meanwhile (an exporter that
+    gathers across ranks takes a while for it)."""
     model_dir = init_tiny_model("qwen3", tmp_path / "model", seed=0)
     weights = [(n, t.clone()) for n, t in sorted(load_file(str(model_dir / "model.safetensors")).items())]
     served = ServedEngine(model_dir)
+    events: list[str] = []
 
-    async def scenario() -> tuple[list[str], str, bool]:
+    def exporter() -> Iterator[tuple[str, torch.Tensor]]:
+        time.sleep(0.1)  # gathering the first tensor, while the pause takes 0.3 s
+        events.append("first tensor out")
+        yield from weights
+
+    async def scenario() -> tuple[str, bool]:
         client = _SlowPause(served.url, retry=NO_RETRY)
-        client.events = []
+        client.events = events
+        # The CPU engine takes announcements in order: from the second push on, bucket 0 brings the pause and the
+        # window itself; the first push is the one that asks the engine, and pauses and opens as SGLang needs.
         async with pushing(served.url, client, bucket_bytes=64 * KB) as (_, pusher):
-            await pusher.push(weights, 1)
-            return client.events, await client.weight_version(), served.engine.scheduler.paused
+            await pusher.push(exporter(), 1)
+            return await client.weight_version(), served.engine.scheduler.paused
 
     try:
-        events, version, paused = asyncio.run(scenario())
+        version, paused = asyncio.run(scenario())
     finally:
         served.stop()
     first = events.index("announce")
-    # The window opened while the pause was still on its way: one round trip, not two, before the first bucket.
+    # The window opened while the pause was still on its way, and the first tensor came while both were.
     assert events[:3] == ["pause sent", "begin sent", "begin answered"], events
+    assert events.index("first tensor out") < events.index("pause answered"), events
     assert events.index("pause answered") < first and events.index("begin answered") < first
     assert version == "1" and paused is False
