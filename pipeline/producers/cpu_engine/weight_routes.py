@@ -11,7 +11,11 @@ Endpoints (bodies and answers in SGLang's field names):
   place for the push; ``--hold-until-update`` holds until the first one), a flat bucket of one tensor, or a
   per-tensor announcement, whose tensors fit their parameters exactly is received straight into them
   (``WeightLoader.receive_in_place``, TP 1 only); other buckets are received into a buffer and copied in between
-  forward passes.
+  forward passes (``bucket_receiver.py``). sluice's own, for a pusher that knows the engine says
+  ``ordered_updates``: ``bucket_index`` and ``push_id`` on each announcement (received in that order,
+  ``update_turns.py``), ``begin_window`` on bucket 0 (pause in place and open the window for that push), and
+  ``push_id``, ``buckets`` and ``continue_generation`` on the end (wait for that many buckets of the push, then
+  close, then continue).
 - ``POST /update_weights_from_disk`` ``{model_path, weight_version, abort_all_requests (default false)}``: load a
   whole HF folder's safetensors (SGLang's protocol; the evaluator loads weight snapshots this way). The folder must
   fit the served architecture and cover every parameter; otherwise the old weights are kept. ``model_path`` in
@@ -33,16 +37,14 @@ scheduler's, never a handler class's, so both classes see one state.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import torch
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pipeline.errors import EngineError, SluiceError
+from pipeline.producers.cpu_engine.bucket_receiver import BucketReceiver
 from pipeline.producers.cpu_engine.http_io import json_body, reply
 from pipeline.producers.cpu_engine.tp_group import TpWeightGroup
 from pipeline.sync.packing import FLAT_FORMAT
@@ -140,6 +142,7 @@ class WeightRoutes:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self.receiver = BucketReceiver(engine)
 
     async def init_group(self, request: web.Request) -> web.Response:
         """``POST /init_weights_update_group``: join the trainer's weight group; answers once joined."""
@@ -255,7 +258,7 @@ class WeightRoutes:
         # Checked before the turn, while the bucket before is still on the wire: that is time the turn would wait.
         refused, group = self._check_bucket(body)
         if body.bucket_index is None:
-            return reply(False, refused) if group is None else reply(*await self._receive_bucket(body, group))
+            return reply(False, refused) if group is None else reply(*await self.receiver.receive(body, group))
         if group is None:
             await engine.turns.fail(body.bucket_index, refused)  # its bytes would go to the next receive otherwise
             return reply(False, refused)
@@ -264,7 +267,7 @@ class WeightRoutes:
             return reply(False, f"{refused}; nothing was received")
         success, message, status = False, "the receive was interrupted", 500
         try:
-            success, message, status = await self._receive_bucket(body, group, body.bucket_index)
+            success, message, status = await self.receiver.receive(body, group, body.bucket_index)
         finally:
             await engine.turns.done(body.bucket_index, None if success else message)
         return reply(success, message, status)
@@ -283,134 +286,6 @@ class WeightRoutes:
             return f"no weight group named {body.group_name!r}; call /init_weights_update_group first", None
         return "", group
 
-    async def _receive_bucket(self, body: UpdateFromDistributedRequest, group: TpWeightGroup,
-                              index: int | None = None) -> tuple[bool, str, int | None]:
-        """Receive one checked bucket and queue its load: (success, message, HTTP status). An indexed bucket received
-        in place hands its turn (and ``update_lock``) on as soon as its receives have started, so the next bucket's
-        start behind them with no gap on the wire; every other receive holds both until its bytes are in."""
-        engine = self.engine
-        serial = engine.window_serial
-        async with engine.update_lock:
-            if not engine.update_window_open:  # closed while this request waited for the lock
-                return False, "the weight update window closed before this bucket's turn; nothing was received", None
-            if not self._in_place(body, group):
-                try:
-                    # Received off the scheduler thread into buffers, so generation (if not paused) goes on during
-                    # the transfer and a failed transfer leaves the old weights whole.
-                    receive = (engine.weights.receive_flat if body.load_format == FLAT_FORMAT
-                               else engine.weights.receive)
-                    tensors = await asyncio.to_thread(group.receive, receive, body.names, body.dtypes, body.shapes,
-                                                      engine.weights.recycle)
-                except (SluiceError, RuntimeError) as exc:
-                    return False, f"receiving the weights failed, old weights kept: {exc}", 500
-                engine.weight_bytes_received += _nbytes(tensors)
-                refused = await self._may_load(body, index, serial)
-                if refused is not None:
-                    engine.weights.recycle(tensors)
-                    return False, refused, 500
-                self._queue_load(tensors, body)
-                return True, f"received {len(tensors)} tensors; they load before /end_weight_update answers", None
-            receiving, issued = self._start_in_place(group, body)
-            if index is None:
-                await asyncio.wait([receiving])
-            else:
-                engine.receiving.add(receiving)
-                receiving.add_done_callback(engine.receiving.discard)
-                if await _first(issued, receiving):
-                    await engine.turns.started(index)
-        try:
-            tensors = await receiving
-        except (SluiceError, RuntimeError) as exc:
-            shown = body.names[0] if len(body.names) == 1 else f"{len(body.names)} tensors from {body.names[0]}"
-            return False, (f"receiving {shown} in place failed: {exc}. What it had not received keeps the old values "
-                           "and the tensor in flight is undefined until a whole push lands; weight_version stays "
-                           f"{engine.generator.version}"), 500
-        engine.weight_bytes_received += _nbytes(tensors)
-        refused = await self._may_load(body, index, serial)
-        if refused is not None:
-            return False, refused, 500
-        self._queue_load([], body)  # already in the model: the load only moves the label
-        return True, f"received {len(tensors)} tensors; they load before /end_weight_update answers", None
-
-    async def _may_load(self, body: UpdateFromDistributedRequest, index: int | None, serial: int) -> str | None:
-        """Why a received bucket may not be loaded, or None. An indexed bucket may have been received behind
-        buckets still arriving (``started``): the label moves only once every one of them landed."""
-        engine = self.engine
-        if index is not None and body.weight_version is not None:
-            failed = await engine.turns.settled(index, body.push_id or "")
-            if failed is not None:
-                return (f"{failed}; this bucket was received, but weight_version stays {engine.generator.version} "
-                        "until a whole push lands")
-        if engine.window_serial != serial or not engine.update_window_open:
-            return ("the weight update window closed while this bucket was received; weight_version stays "
-                    f"{engine.generator.version} until a whole push lands")
-        return None
-
-    def _queue_load(self, loaded: list[tuple[str, torch.Tensor]], body: UpdateFromDistributedRequest) -> None:
-        engine = self.engine
-        # Loaded by the scheduler between forward passes, in arrival order, while the next bucket is received: the
-        # answer means "received", and /end_weight_update answers once every load is done. Generation is paused
-        # during a push (pipeline.sync.weights), and the label moves with the last bucket's load, also when that
-        # bucket was received in place (its load then only sets the label).
-        engine.pending_loads.append(engine.scheduler.call(lambda: self._load(loaded, body)))
-        # The pusher labels only its last bucket: a window that saw the label received a whole push.
-        engine.updated_in_window = engine.updated_in_window or body.weight_version is not None
-
-    def _start_in_place(self, group: TpWeightGroup, body: UpdateFromDistributedRequest
-                        ) -> tuple[asyncio.Future[list[tuple[str, torch.Tensor]]], asyncio.Future[None]]:
-        """The in-place receive, running in a thread, and a future done once every one of its receives started."""
-        loop = asyncio.get_running_loop()
-        issued: asyncio.Future[None] = loop.create_future()
-
-        def on_issued() -> None:
-            loop.call_soon_threadsafe(lambda: issued.done() or issued.set_result(None))
-
-        receiving = asyncio.ensure_future(asyncio.to_thread(self._receive_in_place, group, body, on_issued))
-        return receiving, issued
-
-    async def _quiet(self) -> None:
-        """Wait for in-place receives still in flight (``update_lock`` held: no new one starts)."""
-        if self.engine.receiving:
-            await asyncio.wait(list(self.engine.receiving))
-
-    def _in_place(self, body: UpdateFromDistributedRequest, group: TpWeightGroup) -> bool:
-        """Whether this bucket is received straight into its parameters: a flat bucket of one tensor, or the
-        per-tensor wire's tensors (the pusher's run of large tensors sent from their own memory), each fitting its
-        parameter exactly, while generation is paused (in place for the push, or held until the first update), so
-        no token waits on the hold the receive puts on forward passes. TP 1 only: with more ranks, the other ranks'
-        bytes are compared with rank 0's before anything is loaded, and an update whose ranks disagree is refused
-        with the model untouched, which rank 0 writing into the model as it receives could no longer promise. An
-        update that aborts requests first keeps the buffered path too, whose load aborts and then writes."""
-        engine = self.engine
-        flat = body.load_format == FLAT_FORMAT
-        return (len(group.members) == 1 and not body.abort_all_requests and engine.scheduler.paused
-                and engine.weights.in_place_targets(body.names, body.dtypes, body.shapes, flat=flat) is not None)
-
-    def _receive_in_place(self, group: TpWeightGroup, body: UpdateFromDistributedRequest,
-                          on_issued: Callable[[], None]) -> list[tuple[str, torch.Tensor]]:
-        """Runs off the event loop. Paused or not, no forward pass may read the tensor half-written: the hold waits
-        for a pass already running when the pause came (it finishes under the old weights) and keeps new ones off
-        even if generation is continued meanwhile."""
-        with self.engine.scheduler.hold_passes():
-            flat = body.load_format == FLAT_FORMAT
-            return group.receive(functools.partial(self.engine.weights.receive_in_place, flat=flat,
-                                                   on_issued=on_issued), body.names, body.dtypes, body.shapes)
-
-    def _load(self, tensors: list[tuple[str, torch.Tensor]], body: UpdateFromDistributedRequest) -> None:
-        """Runs in the scheduler thread, between two forward passes."""
-        if body.abort_all_requests:
-            self.engine.abort(lambda s: True, "aborted by a weight update")
-        try:
-            self.engine.weights.apply(tensors)
-        except BaseException:
-            self.engine.load_failed_in_window = True
-            raise
-        finally:
-            self.engine.weights.recycle(tensors)
-        # Loads run in arrival order: the last bucket's, which carries the label, knows whether any before it failed.
-        if body.weight_version is not None and not self.engine.load_failed_in_window:
-            self.engine.generator.version = body.weight_version
-
     async def update_from_disk(self, request: web.Request) -> web.Response:
         """``POST /update_weights_from_disk``: read a whole HF folder off the scheduler thread, then load it between
         two forward passes."""
@@ -420,7 +295,7 @@ class WeightRoutes:
         except ValidationError as exc:
             return reply(False, f"invalid /update_weights_from_disk request: {exc}")
         async with engine.update_lock:
-            await self._quiet()
+            await self.receiver.quiet()
             try:
                 tensors = await asyncio.to_thread(engine.weights.read_folder, body.model_path)
             except EngineError as exc:
@@ -490,7 +365,7 @@ class WeightRoutes:
                 await asyncio.to_thread(group.prepare_probe, nbytes)
             else:
                 async with self.engine.update_lock:
-                    await self._quiet()
+                    await self.receiver.quiet()
                     await asyncio.to_thread(group.probe, nbytes)
         except (SluiceError, RuntimeError) as exc:
             return reply(False, f"probe failed: {exc}", status=500)
@@ -500,12 +375,3 @@ class WeightRoutes:
         """``POST /flush_cache``: nothing to flush (no prefix cache); kept for protocol compatibility."""
         return reply(True, "Cache flushed (the CPU engine keeps no prefix cache).")
 
-
-async def _first(wanted: asyncio.Future[Any], other: asyncio.Future[Any]) -> bool:
-    """Wait until ``wanted`` or ``other`` is done; whether ``wanted`` is (and did not fail)."""
-    await asyncio.wait([wanted, other], return_when=asyncio.FIRST_COMPLETED)
-    return wanted.done() and not wanted.cancelled() and wanted.exception() is None
-
-
-def _nbytes(tensors: list[tuple[str, torch.Tensor]]) -> int:
-    return sum(t.numel() * t.element_size() for _, t in tensors)
