@@ -20,7 +20,7 @@ from aiohttp import web
 
 from pipeline.producers.sglang_client import NO_RETRY, SGLangClient
 from pipeline.queue.redis_server import free_port
-from pipeline.sync.weights import WeightPusher
+from pipeline.sync.pusher import WeightPusher
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from pipeline.models.tiny import init_tiny_model
 from pipeline.producers.sglang_client import NO_RETRY, SGLangClient, adopt_engine_urls
-from pipeline.sync.weights import WeightPusher
+from pipeline.sync.pusher import WeightPusher
 
 pytestmark = pytest.mark.slow
 PROMPT = [11, 12, 13, 14, 15]

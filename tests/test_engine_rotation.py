@@ -19,8 +19,8 @@ from safetensors.torch import load_file
 from pipeline.errors import SyncError
 from pipeline.models.tiny import init_tiny_model
 from pipeline.producers.sglang_client import NO_RETRY, SGLangClient
+from pipeline.sync.pusher import WeightPusher
 from pipeline.sync.rotation import EngineRotation
-from pipeline.sync.weights import WeightPusher
 
 pytestmark = pytest.mark.slow
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12}

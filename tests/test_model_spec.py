@@ -291,7 +291,7 @@ def _megatron_logprobs(model: torch.nn.Module, prompt: list[int], output: list[i
 
 def _push(url: str, model: torch.nn.Module, model_cfg: ModelConfig) -> None:
     from pipeline.producers.sglang_client import NO_RETRY, SGLangClient
-    from pipeline.sync.weights import WeightPusher
+    from pipeline.sync.pusher import WeightPusher
 
     async def go() -> None:
         client = SGLangClient(url, retry=NO_RETRY)

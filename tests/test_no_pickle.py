@@ -32,7 +32,7 @@ from pipeline.queue.archive import Archiver, ArchiveReader
 from pipeline.queue.codec import encode_samples
 from pipeline.queue.redis_streams import SampleQueue
 from pipeline.queue.rundir import write_run_file
-from pipeline.sync.weights import WeightPusher
+from pipeline.sync.pusher import WeightPusher
 
 SITE = Path(__file__).parent / "nopickle_site"
 

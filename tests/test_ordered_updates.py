@@ -27,7 +27,7 @@ from pipeline.models.tiny import init_tiny_model
 from pipeline.producers.cpu_engine.update_turns import UpdateTurns
 from pipeline.producers.sglang_client import NO_RETRY, SGLangClient
 from pipeline.sync.packing import FLAT_FORMAT
-from pipeline.sync.weights import WeightPusher
+from pipeline.sync.pusher import WeightPusher
 
 KB = 1 << 10
 GATE, UP = "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"

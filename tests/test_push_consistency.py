@@ -31,8 +31,8 @@ from pipeline.consumers.trainer import RedisClock, Trainer, TrainerSettings
 from pipeline.models.tiny import init_tiny_model
 from pipeline.producers.sglang_client import NO_RETRY, SGLangClient
 from pipeline.queue.redis_streams import SampleQueue
+from pipeline.sync.pusher import WeightPusher
 from pipeline.sync.rotation import EngineRotation
-from pipeline.sync.weights import WeightPusher
 
 pytestmark = pytest.mark.slow
 PROMPT = [11, 12, 13, 14, 15]

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 from pipeline.models.tiny import init_tiny_model
 from pipeline.producers.sglang_client import NO_RETRY, SGLangClient
-from pipeline.sync.weights import WeightPusher
+from pipeline.sync.pusher import WeightPusher
 
 pytestmark = pytest.mark.slow
 MB = 1 << 20

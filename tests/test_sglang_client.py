@@ -189,7 +189,7 @@ def test_weight_push_changes_version_and_greedy_output(engine: EngineProcess, mo
     from safetensors.torch import load_file
 
     from pipeline.models.tiny import init_tiny_model
-    from pipeline.sync.weights import WeightPusher
+    from pipeline.sync.pusher import WeightPusher
 
     original = load_file(str(model_dir / "model.safetensors"))
     other = load_file(str(init_tiny_model("qwen3-moe", tmp_path / "other", seed=1) / "model.safetensors"))

@@ -25,10 +25,10 @@ from engines import RecordingImpl
 from pipeline.errors import SyncError
 from pipeline.sync.base import EngineReply, TensorMeta
 from pipeline.sync.packing import BucketPacker
+from pipeline.sync.pusher import WeightPusher
 from pipeline.sync.weights import (
     BROADCAST_WINDOW,
     GLOO_THREADS,
-    WeightPusher,
     bind_weight_store,
     check_announcement,
     init_weight_group,

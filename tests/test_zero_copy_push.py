@@ -33,8 +33,8 @@ from pipeline.models.tiny import init_tiny_model
 from pipeline.producers.sglang_client import NO_RETRY, SGLangClient
 from pipeline.sync.base import EngineReply
 from pipeline.sync.packing import ZERO_COPY_MIN_BYTES, BucketPacker, BucketSlots
+from pipeline.sync.pusher import WeightPusher
 from pipeline.sync.sources import Streamed
-from pipeline.sync.weights import WeightPusher
 
 KB = 1 << 10
 CPU = torch.device("cpu")

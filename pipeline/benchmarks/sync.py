@@ -35,7 +35,7 @@ from pipeline.producers.sglang_client import NO_RETRY, SGLangClient
 if TYPE_CHECKING:  # torch stays out of `sluice --help`, which builds this module's flags from SyncBenchParams
     import torch
 
-    from pipeline.sync.weights import WeightPusher
+    from pipeline.sync.pusher import WeightPusher
 
 MB = 1 << 20
 BIG_SIZES_MB = "500,1000,2000"
@@ -125,7 +125,7 @@ async def _wait_healthy(client: SGLangClient, timeout_s: float = 600.0) -> None:
 
 async def _measure(client: SGLangClient, weights: list[tuple[str, torch.Tensor]], params: SyncBenchParams,
                    param_bytes: int) -> dict[str, Any]:
-    from pipeline.sync.weights import WeightPusher
+    from pipeline.sync.pusher import WeightPusher
 
     await _wait_healthy(client)
     baseline = _status("VmRSS")  # the weights are resident already; what the push adds is measured from here

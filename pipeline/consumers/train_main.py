@@ -152,8 +152,8 @@ async def _connect_pusher(cfg: SluiceConfig, engines: Sequence[WeightUpdateEngin
                           model_dir: Path) -> Any:
     """The push to the engines, routed around one that fails and re-syncing one that comes back
     (``pipeline.sync.rotation``), in the engines' dtype (``sync.dtype``)."""
+    from pipeline.sync.pusher import WeightPusher, engines_dtype, engines_tp
     from pipeline.sync.rotation import EngineRotation
-    from pipeline.sync.weights import WeightPusher, engines_dtype, engines_tp
 
     backend = cfg.sync.backend if cfg.sync.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
     port = cfg.sync.master_port  # 0: the pusher binds a port of the OS's choosing, then tells the engines

@@ -22,7 +22,8 @@ from pipeline.errors import SyncError
 from pipeline.sync.base import WeightUpdateEngine
 from pipeline.sync.lifecycle import Adoption, ManagedEngine, adopt_engines
 from pipeline.sync.packing import PackedBucket
-from pipeline.sync.weights import PushStats, WeightPusher, exhaust
+from pipeline.sync.pusher import PushStats, WeightPusher
+from pipeline.sync.sources import exhaust
 
 WeightSource = (Sequence[PackedBucket] | Sequence[tuple[str, torch.Tensor]]
                 | Callable[[], Iterable[tuple[str, torch.Tensor]]])

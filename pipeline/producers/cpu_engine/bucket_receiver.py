@@ -101,7 +101,7 @@ class BucketReceiver:
         engine = self.engine
         # Loaded by the scheduler between forward passes, in arrival order, while the next bucket is received: the
         # answer means "received", and /end_weight_update answers once every load is done. Generation is paused
-        # during a push (pipeline.sync.weights), and the label moves with the last bucket's load, also when that
+        # during a push (pipeline.sync.pusher), and the label moves with the last bucket's load, also when that
         # bucket was received in place (its load then only sets the label).
         engine.pending_loads.append(engine.scheduler.call(lambda: self._load(loaded, body)))
         # The pusher labels only its last bucket: a window that saw the label received a whole push.

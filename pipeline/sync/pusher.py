@@ -1,0 +1,577 @@
+"""The trainer's side of the weight push: ``WeightPusher``, rank 0 of the weight group (``pipeline.sync.weights``),
+pushes named tensors to every engine bucket by bucket (buckets from ``pipeline.sync.packing`` through
+``pipeline.sync.sources``), and the helpers that ask the engines what they hold and take.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from pipeline.errors import SyncError
+from pipeline.sync.base import DTYPE_ITEMSIZE, EngineReply, TensorMeta, WeightUpdateEngine
+from pipeline.sync.packing import FLAT_FORMAT, BucketPacker, BucketSlots, PackedBucket
+from pipeline.sync.sources import Prepacked, Streamed, exhaust, is_packed
+from pipeline.sync.weights import (
+    DEFAULT_BUCKET_BYTES,
+    MB,
+    WeightGroup,
+    bind_weight_store,
+    init_weight_group,
+    torch_dtype,
+)
+
+log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class PushStats:
+    """What one weight push moved and how long it took (begin to end, HTTP included)."""
+
+    weight_version: str
+    tensors: int
+    buckets: int
+    bytes: int
+    """Bytes on the wire: every tensor in the dtype it was announced in."""
+    seconds: float
+    peak_buffer_bytes: int = 0
+    """The most bucket-buffer bytes rank 0 held at once (about two buckets for a streamed push)."""
+    zero_copy_bytes: int = 0
+    """Bytes sent straight from the tensors' own memory, never copied into a bucket (a streamed push's large
+    tensors in the wire dtype)."""
+
+    @property
+    def mb_per_s(self) -> float:
+        """Throughput in MiB/s."""
+        return self.bytes / MB / self.seconds if self.seconds > 0 else math.inf
+
+
+_NOTHING_TO_PUSH = "a weight push needs at least one tensor; use /update_weight_version to only bump the version"
+
+Weights = Iterable[tuple[str, torch.Tensor]] | Sequence[PackedBucket]
+"""What a push sends: named tensors, packed as they arrive, or buckets packed before (``WeightPusher.pack``)."""
+
+
+class WeightPusher:
+    """Rank 0 of the weight group: pushes named tensors to every engine, bucket by bucket.
+
+    Per push: ``/pause_generation`` (in place) and ``/begin_weight_update`` on all engines, together; per bucket
+    ``/update_weights_from_distributed`` to all engines concurrently with the bucket's broadcast (one flat uint8
+    tensor, SGLang's ``flattened_bucket`` format, or one broadcast per tensor with ``flat=False``); then
+    ``/end_weight_update``, a best-effort ``/flush_cache`` and ``/continue_generation``. The next
+    bucket is cast and packed in a thread while the current one is on the wire, and at most two bucket buffers exist
+    at once (``pipeline.sync.packing``). A streamed push sends a large tensor already in the wire dtype straight from
+    its own memory (``zero_copy_bytes``, see ``BucketPacker``), so the named tensors must not change until ``push``
+    returns; ``pack`` always copies. ``weight_version`` rides only on the last bucket, so an engine never labels
+    tokens with the new version while it holds a mix of old and new weights.
+    """
+
+    def __init__(
+        self,
+        group: WeightGroup,
+        engines: Sequence[WeightUpdateEngine],
+        *,
+        bucket_bytes: int | None = None,
+        dtype: str | None = None,
+        expected: Mapping[str, TensorMeta] | None = None,
+        flush_cache: bool = True,
+        flat: bool = True,
+        zero_copy: bool = True,
+        zero_copy_bytes: int | None = None,
+    ) -> None:
+        if group.rank != 0:
+            raise SyncError(f"the pusher must be rank 0 of the weight group, this process is rank {group.rank}")
+        if not engines:
+            raise SyncError("WeightPusher needs at least one engine")
+        self.group = group
+        self.engines = list(engines)
+        self.bucket_bytes = bucket_bytes or DEFAULT_BUCKET_BYTES[group.backend]
+        # Casting floats to the engine's dtype (e.g. "bfloat16") halves the bytes on the wire for an fp32 trainer.
+        self.dtype = dtype
+        if dtype is not None:
+            torch_dtype(dtype)
+        self.expected = expected
+        self.flush_cache = flush_cache
+        self.flat = flat
+        self.zero_copy = zero_copy
+        self.zero_copy_bytes = zero_copy_bytes
+        self._buffers = BucketSlots(2, self.bucket_bytes, group.device)  # reused by every streamed push
+        self._flushable: list[WeightUpdateEngine] | None = None  # asked once, at the first push's flush
+        self._ordered: bool | None = None  # asked once, at the first push: may announcements run ahead of answers
+
+    @classmethod
+    async def connect(
+        cls,
+        engines: Sequence[WeightUpdateEngine],
+        *,
+        master_address: str,
+        master_port: int = 0,
+        group_name: str = "sluice_weights",
+        backend: str = "gloo",
+        ranks_per_engine: Sequence[int] | None = None,
+        timeout_s: float = 300.0,
+        bucket_bytes: int | None = None,
+        dtype: str | None = None,
+        expected: Mapping[str, TensorMeta] | None = None,
+        flush_cache: bool = True,
+        flat: bool = True,
+        zero_copy: bool = True,
+        zero_copy_bytes: int | None = None,
+    ) -> WeightPusher:
+        """Host the weight group and have every engine join it; ``ranks_per_engine`` is each engine's TP size.
+
+        The remaining arguments are the pusher's (see ``__init__``).
+        """
+        ranks = list(ranks_per_engine) if ranks_per_engine is not None else [1] * len(engines)
+        if len(ranks) != len(engines) or any(r < 1 for r in ranks):
+            raise SyncError(f"ranks_per_engine needs one positive entry per engine, got {ranks} for {len(engines)}")
+        world_size = 1 + sum(ranks)
+        offsets = [1 + sum(ranks[:i]) for i in range(len(ranks))]
+        store = None
+        if master_port == 0:  # bound here and now, then announced: no port picked first and bound later
+            store = bind_weight_store(world_size, timeout_s)
+            master_port = int(store.port)
+        hosting = _run_in_thread(
+            lambda: init_weight_group(master_address, master_port, 0, world_size, group_name, backend, timeout_s,
+                                      store=store)
+        )
+        joins = [
+            engine.init_weights_update_group(
+                master_address=master_address,
+                master_port=master_port,
+                rank_offset=offset,
+                world_size=world_size,
+                group_name=group_name,
+                backend=backend,
+            )
+            for engine, offset in zip(engines, offsets)
+        ]
+        await _expect_success(engines, joins, "init_weights_update_group")
+        group = await asyncio.wait_for(hosting, timeout_s)
+        return cls(group, engines, bucket_bytes=bucket_bytes, dtype=dtype, expected=expected, flush_cache=flush_cache,
+                   flat=flat, zero_copy=zero_copy, zero_copy_bytes=zero_copy_bytes)
+
+    def packer(self) -> BucketPacker:
+        """A packer for one streamed push: this pusher's bucket size, wire dtype, device, two reused buffers, and
+        zero-copy for large tensors in the wire dtype."""
+        self._buffers.reset()
+        return BucketPacker(bucket_bytes=self.bucket_bytes, dtype=self.dtype, device=self.group.device,
+                            expected=self.expected, buffers=self._buffers, zero_copy=self.zero_copy,
+                            zero_copy_bytes=self.zero_copy_bytes)
+
+    def pack(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[PackedBucket]:
+        """Every weight cast and packed now, for a push later (a snapshot: the model in the wire dtype, copied, never
+        aliasing the parameters)."""
+        packer = BucketPacker(bucket_bytes=self.bucket_bytes, dtype=self.dtype, device=self.group.device,
+                              expected=self.expected, slots=None)
+        return packer.pack_all(named_tensors)
+
+    async def push(self, weights: Weights, weight_version: str | int) -> PushStats:
+        """Push every weight to every engine and set their version; raises SyncError naming the engine on failure.
+
+        Named tensors are packed as they arrive (the iterable is always exhausted, even on failure: a trainer's
+        exporter is a collective); large ones in the wire dtype are sent from their own memory, so nothing may write
+        them until this returns. The first bucket is packed, so every check of its tensors has passed, before any
+        engine is asked anything; a later tensor that fails a check fails the push after earlier buckets went out,
+        and the engines keep the old version label until a whole push lands.
+        """
+        version = str(weight_version)
+        if self.group.broken is not None:
+            exhaust(weights)
+            raise SyncError(
+                f"weight group {self.group.group_name!r} is unusable ({self.group.broken}); "
+                "close this pusher and connect a new one"
+            )
+        start = time.perf_counter()
+        source = Prepacked(weights) if is_packed(weights) else Streamed(self.packer(), weights)  # type: ignore[arg-type]
+        buckets = tensors = sent = 0
+        opened = False
+        try:
+            # Paused in place for the whole push: requests keep their place and their KV cache, no forward pass
+            # runs, so no token is computed from half-updated weights (docs/weight-push.md, "Generation across a
+            # push"). Only a whole push continues them: one that fails leaves the engines paused until the next.
+            first = asyncio.ensure_future(source.next())
+            if self._ordered:
+                # Known from an earlier push: bucket 0's announcement pauses and opens each window itself.
+                item = await first
+                if item is None:
+                    raise SyncError(_NOTHING_TO_PUSH)
+                opened = True
+                buckets, tensors, sent = await self._push_ahead(source, item, version, begin=True)
+                item = None
+            else:
+                # The pause, the window's opening and the packing of the first bucket go on together, one round trip
+                # in all: the window only admits announcements, and none is sent before every engine answered both.
+                pauses = [asyncio.ensure_future(e.pause_generation("in_place")) for e in self.engines]
+                begins = [asyncio.ensure_future(e.begin_weight_update()) for e in self.engines]
+                opened = True  # before the answers: an engine whose window opened is closed again if another refused
+                await asyncio.wait([first, *pauses, *begins])
+                for task in [*pauses, *begins]:
+                    task.exception()  # seen, in case the first bucket or a refused pause raises before they are checked
+                item = first.result()
+                if item is None:
+                    raise SyncError(_NOTHING_TO_PUSH)
+                await _expect_success(self.engines, pauses, "pause_generation")
+                await _expect_success(self.engines, begins, "begin_weight_update")
+                if self._ordered is None:
+                    self._ordered = await _take_ordered_updates(self.engines)
+                    self._flushable = await _with_prefix_cache(self.engines) if self.flush_cache else []
+                if self._ordered:
+                    buckets, tensors, sent = await self._push_ahead(source, item, version, begin=False)
+                    item = None
+            while item is not None:
+                bucket, last = item
+                # No flush with the update: SGLang refuses to flush while requests are in flight, as they are in place.
+                await self._push_bucket(bucket, version if last else None, False)
+                buckets, tensors, sent = buckets + 1, tensors + len(bucket.metas), sent + bucket.nbytes
+                bucket.release()
+                source.sent()
+                item = await source.next()
+        except BaseException:
+            await source.abort()
+            if opened:
+                # Close the engines' update windows so they answer again; the original error is what matters.
+                await asyncio.gather(*(e.end_weight_update() for e in self.engines), return_exceptions=True)
+            raise
+        await source.abort()  # nothing left to stop; waits for the packing thread to end
+        if not self._ordered:  # an engine that takes announcements in order had its end with the last one
+            await _expect_success(self.engines, [e.end_weight_update() for e in self.engines], "end_weight_update")
+        if self.flush_cache:
+            await self._flush_prefix_caches(version)
+        # Every engine has every weight and the new label: generation continues (an engine held since it was adopted,
+        # sync.lifecycle, serves from here on too).
+        if not self._continued_at_end():
+            await _expect_success(self.engines, [e.continue_generation() for e in self.engines], "continue_generation")
+        return PushStats(weight_version=version, tensors=tensors, buckets=buckets, bytes=sent,
+                         seconds=time.perf_counter() - start, peak_buffer_bytes=source.peak_buffer_bytes,
+                         zero_copy_bytes=source.zero_copy_bytes)
+
+    def _continued_at_end(self) -> bool:
+        """Whether ``/end_weight_update`` also continues generation: with one engine, which takes announcements in
+        order, and no prefix cache to flush between the two, its end means every engine has the whole push."""
+        return bool(self._ordered) and len(self.engines) == 1 and not self._flushable
+
+    async def _flush_prefix_caches(self, version: str) -> None:
+        """Drop cached prefixes computed by the old weights, where the engine can: SGLang refuses while requests are
+        in flight (they are, in place), and then its cache keeps them. An engine that says it keeps no prefix cache
+        (the CPU engine) is not asked: a round trip per push, a twentieth of a 50 MB push on gloo."""
+        if self._flushable is None:
+            self._flushable = await _with_prefix_cache(self.engines)
+        flushable = self._flushable
+        replies = await asyncio.gather(*(e.flush_cache() for e in flushable), return_exceptions=True)  # type: ignore[attr-defined]
+        for engine, reply in zip(flushable, replies):
+            if isinstance(reply, BaseException) or not reply.success:
+                log.debug("engine %s kept its prefix cache after push %s: %s", engine.name, version, reply)
+
+    async def close(self) -> None:
+        """Have every engine leave the group, then tear down this end; a new ``connect`` may reuse the group name."""
+        calls = [e.destroy_weights_update_group(self.group.group_name) for e in self.engines]
+        try:
+            await _expect_success(self.engines, calls, "destroy_weights_update_group")
+        finally:
+            self.group.close()
+
+    def _announce(self, bucket: PackedBucket, weight_version: str | None, flush_cache: bool,
+                  **order: Any) -> dict[asyncio.Future[Any], WeightUpdateEngine]:
+        """Post the bucket's ``/update_weights_from_distributed`` to every engine; the reply futures, by engine."""
+        metas = bucket.metas
+        # A run of zero-copy tensors goes on the per-tensor wire whatever the pusher's format: one broadcast each,
+        # from their own memory.
+        extra: dict[str, Any] = {"load_format": FLAT_FORMAT} if self.flat and bucket.parts is None else {}
+        return {
+            asyncio.ensure_future(
+                engine.update_weights_from_distributed(
+                    names=[m.name for m in metas],
+                    dtypes=[m.dtype for m in metas],
+                    shapes=[list(m.shape) for m in metas],
+                    group_name=self.group.group_name,
+                    flush_cache=flush_cache,
+                    weight_version=weight_version,
+                    abort_all_requests=False,
+                    **extra,
+                    **order,
+                )
+            ): engine
+            for engine in self.engines
+        }
+
+    async def _push_ahead(self, source: Streamed | Prepacked, item: tuple[PackedBucket, bool] | None,
+                          version: str, begin: bool) -> tuple[int, int, int]:
+        """Send every bucket, announcing each as soon as it is packed, and starting its broadcasts as soon as the
+        bucket before has started its last one (its bytes still on the wire).
+
+        Only for engines that take a window's announcements in the order of their ``bucket_index`` whatever order
+        they arrive in (``ordered_updates``): each one then waits for its turn at the engine and starts receiving the
+        moment the bucket before has started its last receive, instead of a round trip and two thread hops after
+        its last byte, about 3 ms a bucket here (docs/weight-push.md). Broadcasts still start in announced order, at
+        most ``BROADCAST_WINDOW`` in flight across buckets, and the packing thread still holds at most two buckets:
+        one is given back only once its last broadcast is through on rank 0's side. With ``begin``, bucket 0's
+        announcement pauses generation and opens the window (``begin_window``). ``/end_weight_update`` goes out
+        with the last announcement, naming the push and its bucket count, so each engine closes its window as soon
+        as the last bucket is in (and continues, ``_continued_at_end``). Returns (buckets, tensors, bytes) sent."""
+        push_id = uuid.uuid4().hex
+        replies: dict[asyncio.Future[Any], WeightUpdateEngine] = {}
+        sendings: list[_Sending] = []
+        ends: list[asyncio.Future[EngineReply]] = []
+        upcoming: asyncio.Future[Any] | None = None
+        buckets = tensors = sent = 0
+        landed = False  # what went out before a packing error has landed: the group is still in step
+        try:
+            while item is not None:
+                bucket, last = item
+                opening = {"begin_window": True} if begin and buckets == 0 else {}
+                replies.update(self._announce(bucket, version if last else None, False, bucket_index=buckets,
+                                              push_id=push_id, **opening))
+                buckets, tensors, sent = buckets + 1, tensors + len(bucket.metas), sent + bucket.nbytes
+                if last:
+                    continued = self._continued_at_end()
+                    ends = [asyncio.ensure_future(e.end_weight_update(push_id=push_id, buckets=buckets,
+                                                                      continue_generation=continued))
+                            for e in self.engines]
+                if sendings:
+                    await _watching(sendings[-1].issued, replies)  # the group matches broadcasts by their order
+                sendings.append(self._send(bucket, source))
+                upcoming = asyncio.ensure_future(source.next())
+                try:
+                    item = await _watching(upcoming, replies)
+                except BaseException as exc:
+                    if upcoming.done() and not upcoming.cancelled() and upcoming.exception() is exc:
+                        # A tensor the packer refused (the engines have not been told of it): the buckets on the
+                        # wire are whole, so let them land, as the one-at-a-time push does, and keep the group.
+                        for sending in sendings:
+                            await _watching(sending.done, replies)
+                        await _watching(None, replies)
+                        landed = True
+                    raise
+            for sending in sendings:
+                await _watching(sending.done, replies)
+            await _watching(None, replies)
+        except BaseException as exc:
+            for task in [*replies, *ends, *([upcoming] if upcoming is not None else [])]:
+                task.cancel()
+            if not landed:
+                self.group.mark_broken(f"a weight push failed mid-bucket: {exc}")
+            raise
+        # Every bucket is in on every engine: what fails from here is a load, and the group is still in step.
+        await _expect_success(self.engines, ends, "end_weight_update")
+        return buckets, tensors, sent
+
+    def _send(self, bucket: PackedBucket, source: Streamed | Prepacked) -> _Sending:
+        """Broadcast one bucket from a thread; it goes back to ``source`` once its bytes are through here."""
+        loop = asyncio.get_running_loop()
+        issued: asyncio.Future[None] = loop.create_future()
+
+        def settle(error: BaseException | None) -> None:
+            if not issued.done():
+                issued.set_result(None) if error is None else issued.set_exception(error)
+
+        def send() -> None:
+            try:
+                works = self._issue_bucket(bucket)
+            except BaseException as exc:
+                _call_soon(loop, settle, exc)
+                raise
+            _call_soon(loop, settle, None)
+            self.group.wait(works)
+
+        def give_back(done: asyncio.Future[None]) -> None:
+            # Only a bucket whose bytes are through: after a failure, a broadcast may still read it (the failed
+            # push's buffers are dropped, BucketSlots.reset).
+            if not done.cancelled() and done.exception() is None:
+                bucket.release()
+                source.sent()
+
+        issued.add_done_callback(lambda f: f.cancelled() or f.exception())
+        done = _run_in_thread(send)
+        done.add_done_callback(give_back)
+        return _Sending(issued, done)
+
+    async def _push_bucket(self, bucket: PackedBucket, weight_version: str | None, flush_cache: bool) -> None:
+        posts = self._announce(bucket, weight_version, flush_cache)
+        sending = _run_in_thread(lambda: self._broadcast_bucket(bucket))
+        pending: set[asyncio.Future[Any]] = set(posts) | {sending}
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task is sending:
+                        task.result()
+                    else:
+                        _check_reply(posts[task], task, "update_weights_from_distributed")
+        except BaseException as exc:
+            for task in pending:
+                task.cancel()
+            # Whether or not our side of the broadcast finished (gloo sends small tensors eagerly, so it may have),
+            # a peer that failed did not take this bucket: the members are out of step and the group must be rebuilt.
+            self.group.mark_broken(f"a weight push failed mid-bucket: {exc}")
+            raise
+
+    def _broadcast_bucket(self, bucket: PackedBucket) -> None:
+        self.group.wait(self._issue_bucket(bucket))
+
+    def _issue_bucket(self, bucket: PackedBucket) -> list[Any]:
+        # Every receiver allocates exactly the announced bytes; a broadcast of another size would abort it (SIGABRT
+        # in gloo), so the sizes are checked here, before anything is sent.
+        announced = sum(m.nbytes for m in bucket.metas)
+        if bucket.nbytes != announced:
+            raise SyncError(f"a bucket of {bucket.nbytes} bytes was announced as {announced}; nothing was sent")
+        if self.flat and bucket.parts is None:
+            return self.group.issue([bucket.flat], src=0)
+        # The works hold their tensors until done, a contiguous copy included.
+        return self.group.issue([tensor.contiguous() for _, tensor in bucket.tensors()], src=0)
+
+
+@dataclass
+class _Sending:
+    """One bucket's broadcasts from rank 0: ``issued`` once the last one started, ``done`` once all are through."""
+
+    issued: asyncio.Future[None]
+    done: asyncio.Future[None]
+
+
+async def engines_dtype(engines: Sequence[WeightUpdateEngine], fallback: str | None) -> str | None:
+    """The dtype to send floats in: the one every engine holds its weights in (asked through ``weight_dtype`` where
+    an engine has it), else ``fallback`` (the model's own). Engines that disagree get the widest, each casting on load.
+    """
+    asks = [e.weight_dtype() for e in engines if hasattr(e, "weight_dtype")]  # type: ignore[attr-defined]
+    found = {d for d in await asyncio.gather(*asks) if d is not None}
+    if len(found) > 1:
+        widest = max(found, key=lambda d: DTYPE_ITEMSIZE[d])
+        log.warning("the engines hold their weights in %s; the push sends %s, which each casts on load",
+                    sorted(found), widest)
+        return widest
+    return found.pop() if found else fallback
+
+
+async def engines_tp(engines: Sequence[WeightUpdateEngine]) -> list[int]:
+    """Each engine's TP size (``tp_size`` where an engine has it, else 1): how many ranks it takes in the group."""
+
+    async def tp(engine: WeightUpdateEngine) -> int:
+        ask = getattr(engine, "tp_size", None)
+        return int(await ask()) if ask is not None else 1
+
+    return list(await asyncio.gather(*(tp(e) for e in engines)))
+
+
+async def _with_prefix_cache(engines: Sequence[WeightUpdateEngine]) -> list[WeightUpdateEngine]:
+    """The engines to flush after a push: those with ``flush_cache`` that do not say they keep no prefix cache (an
+    engine that cannot be asked is flushed, as before: a flush too many costs a round trip, a stale cache more)."""
+    keeps = await _engines_say(engines, "prefix_cache", True)
+    return [e for e, keep in zip(engines, keeps) if keep and hasattr(e, "flush_cache")]
+
+
+async def _take_ordered_updates(engines: Sequence[WeightUpdateEngine]) -> bool:
+    """Whether every engine takes a window's announcements in ``bucket_index`` order (the CPU engine says
+    ``ordered_updates`` in ``/model_info``; SGLang does not, and gets one announcement at a time, which is always
+    correct)."""
+    return all(await _engines_say(engines, "ordered_updates", False))
+
+
+async def _engines_say(engines: Sequence[WeightUpdateEngine], question: str, default: bool) -> list[bool]:
+    """Each engine's answer to an optional yes/no question (a method of that name), or ``default`` for an engine
+    that lacks it or cannot answer."""
+
+    async def says(engine: WeightUpdateEngine) -> bool:
+        ask = getattr(engine, question, None)
+        if ask is None:
+            return default
+        try:
+            return bool(await ask())
+        except Exception as exc:  # noqa: BLE001 - the default is the safe answer
+            log.debug("engine %s did not answer %s (%s); taking %s", engine.name, question, exc, default)
+            return default
+
+    return list(await asyncio.gather(*(says(e) for e in engines)))
+
+
+async def _watching(target: asyncio.Future[_T] | None, replies: dict[asyncio.Future[Any], WeightUpdateEngine]
+                    ) -> _T | None:
+    """Wait for ``target`` (with None: for every reply); every reply that comes in meanwhile is checked (a refusal
+    raises at once) and dropped from ``replies``."""
+    while True:
+        pending: set[asyncio.Future[Any]] = set(replies)
+        if target is not None:
+            pending.add(target)
+        if not pending:
+            return None
+        done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            if task is not target:
+                _check_reply(replies.pop(task), task, "update_weights_from_distributed")
+        if target is not None and target in done:
+            return target.result()
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
+    """``fn(*args)`` on ``loop`` from another thread; nothing if the loop is gone (its push failed and moved on)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        pass
+
+
+def _run_in_thread(fn: Callable[[], _T]) -> asyncio.Future[_T]:
+    """Run a blocking collective off the event loop, in a daemon thread.
+
+    Not ``asyncio.to_thread``: a broadcast whose peer vanished blocks until the backend timeout, and the default
+    executor's threads would then hold up interpreter exit for that long.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[_T] = loop.create_future()
+
+    def _settle(result: _T | None, error: BaseException | None) -> None:
+        if future.cancelled():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]
+
+    def _target() -> None:
+        try:
+            result = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine, not swallowed
+            _call_soon(loop, _settle, None, exc)
+        else:
+            _call_soon(loop, _settle, result, None)
+
+    threading.Thread(target=_target, name="sluice-weight-broadcast", daemon=True).start()
+    # Nobody may be awaiting any more (the push already failed); retrieve the outcome so asyncio does not warn.
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return future
+
+
+def _check_reply(engine: WeightUpdateEngine, task: asyncio.Future[Any], endpoint: str) -> None:
+    try:
+        reply: EngineReply = task.result()
+    except SyncError:
+        raise
+    except Exception as exc:
+        raise SyncError(f"engine {engine.name} failed {endpoint}: {exc}") from exc
+    if not reply.success:
+        raise SyncError(f"engine {engine.name} refused {endpoint}: {reply.message}")
+
+
+async def _expect_success(
+    engines: Sequence[WeightUpdateEngine], calls: Sequence[Any], endpoint: str
+) -> None:
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    if not tasks:
+        return
+    await asyncio.wait(tasks)
+    for task in tasks:
+        # Marks each failure as seen: once the first one raises below, the others would otherwise be reported by
+        # the garbage collector, at a moment of its choosing (it once broke a compile that was running then).
+        task.exception()
+    for engine, task in zip(engines, tasks):
+        _check_reply(engine, task, endpoint)
