@@ -339,3 +339,27 @@ class _Calls(SGLangClient):
         self.calls.append("update+begin" if kw.get("begin_window") else "update")
         self.announced.append(list(kw["names"]))
         return await super().update_weights_from_distributed(**kw)
+
+
+def test_turns_of_a_push_that_died_are_refused_once_another_window_opens() -> None:
+    """A trainer killed mid-push leaves announcements and an end waiting at the engine; the next trainer's window
+    (opened by a plain /begin_weight_update, so not yet claimed by any push) must not be taken for theirs."""
+
+    async def scenario() -> tuple[str | None, str | None, str | None]:
+        turns = UpdateTurns()
+        await turns.open()
+        assert await turns.take(0, "dead") is None
+        await turns.started(0)
+        waiting = asyncio.ensure_future(turns.take(2, "dead"))  # bucket 1 never comes
+        ending = asyncio.ensure_future(turns.settled(3, "dead"))
+        await asyncio.sleep(0.05)
+        assert not waiting.done() and not ending.done()
+        await turns.open()  # the next trainer's first push
+        refused = await asyncio.wait_for(waiting, 5)
+        ended = await asyncio.wait_for(ending, 5)
+        return refused, ended, await turns.take(0, "next")
+
+    refused, ended, fresh = asyncio.run(scenario())
+    assert refused is not None and "window closed" in refused
+    assert ended is not None and "window closed" in ended
+    assert fresh is None

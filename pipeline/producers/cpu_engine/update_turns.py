@@ -116,6 +116,8 @@ class UpdateTurns:
 
     def _elsewhere(self, push_id: str, arrived: int | None) -> str | None:
         """Why push ``push_id`` has no window here, if it never will; None if it has one, or may yet get one."""
+        if arrived is not None and arrived != self._serial:  # another window opened since (a new trainer's, say)
+            return "the weight update window closed before its turn"
         if self._mine(push_id):
             return None if self._open else "the weight update window closed"
         if self._open:
