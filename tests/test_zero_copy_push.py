@@ -393,15 +393,19 @@ def test_a_push_sends_large_tensors_zero_copy_and_a_paused_engine_receives_them_
             after = await client.generate(PROMPT, {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True})
             load = await client.get_load()
             landed = {n: params[n].clone() for n, _ in weights}  # the engine is idle: nothing writes them now
-            # The failure case: the last run of a second push fails after its receive. The labelled bucket after
-            # it was received behind it (the run handed its turn on once its receives started), and must not move
-            # the label.
-            receive = served.engine.weights.receive_in_place
+            # The failure case: the last run of a second push fails after its receive, and only once the labelled
+            # (flat) bucket after it was received behind it: the run handed its turn on when its receives started.
+            # That bucket must not move the label.
+            loader = served.engine.weights
+            receive, buffered = loader.receive_in_place, loader.bytes_buffered  # one push's, the first
 
             def failing(group: Any, names: list[str], dtypes: list[str], shapes: list[list[int]], *,
                         flat: bool = True, on_issued: Any = None) -> Any:
                 got = receive(group, names, dtypes, shapes, flat=flat, on_issued=on_issued)
                 if tail in names:
+                    deadline = time.monotonic() + 10
+                    while loader.bytes_buffered < 2 * buffered and time.monotonic() < deadline:
+                        time.sleep(0.005)
                     raise RuntimeError("injected: the transfer broke")
                 return got
 
