@@ -313,7 +313,7 @@ def test_the_pusher_starts_the_next_buckets_broadcasts_while_the_one_before_is_o
     finally:
         model.stop()
     in_first = len(announced[0])
-    assert in_first >= 2
+    assert in_first >= 1  # the push's first bucket is small (a sixteenth of a bucket): here one tensor
     assert events.index(f"issue {in_first}") < events.index(f"done {in_first - 1}"), events[: 3 * in_first]
     assert "pause" not in second_push and "begin" not in second_push and second_push[0] == "update+begin"
     assert version == "2"

@@ -443,13 +443,15 @@ def test_a_push_sends_large_tensors_zero_copy_and_a_paused_engine_receives_them_
     assert [f is None for f in formats] == [names in runs and len(names) > 1 for names in first_push]
     # Gathered apart, neither kind closes the other's bucket early: every bucket but the last of its kind is full
     # up to the next tensor of that kind (with the exporter's order kept, small and large alternate in this model,
-    # and most buckets would hold a few KB).
+    # and most buckets would hold a few KB). The push's first bucket is full at a sixteenth of a bucket.
+    assert sum(nbytes[n] for n in first_push[0]) <= 64 * KB // 16 or len(first_push[0]) == 1
     for kind in (small, big):
         mine = [names for names in first_push if names[0] in kind]
         following = [n for n in wire if n in kind]
         for names in mine[:-1]:
             after = following[following.index(names[-1]) + 1]
-            assert sum(nbytes[n] for n in names) + nbytes[after] > 64 * KB, (names, after)
+            full = 64 * KB // 16 if names is first_push[0] else 64 * KB
+            assert sum(nbytes[n] for n in names) + nbytes[after] > full, (names, after)
     pushed = broadcasts[: out["broadcasts"]]
     by_ptr = {t.data_ptr(): n for n, t in weights}
     sent_zero_copy = {by_ptr[ptr] for ptr, size, _ in pushed if by_ptr.get(ptr) in big and size == nbytes[by_ptr[ptr]]}
@@ -508,12 +510,14 @@ def test_a_bucket_that_fails_to_load_keeps_the_label_though_a_later_bucket_carri
     load fails, the last one's load must not move the label over weights that are partly old."""
     model_dir = init_tiny_model("qwen3", tmp_path / "model", seed=0)
     weights = [(n, t.clone()) for n, t in sorted(load_file(str(model_dir / "model.safetensors")).items())]
-    first = weights[0][0]
+    # The push's first bucket (a sixteenth of a bucket) holds the first tensor alone and is received in place; the
+    # second tensor opens the first full bucket, of several tensors, loaded from a buffer.
+    second = weights[1][0]
     served = ServedEngine(model_dir)
     apply = served.engine.weights.apply
 
     def failing(tensors: list[tuple[str, torch.Tensor]]) -> None:
-        if any(name == first for name, _ in tensors):
+        if any(name == second for name, _ in tensors):
             raise RuntimeError("injected: the load broke")
         apply(tensors)
 
@@ -532,7 +536,7 @@ def test_a_bucket_that_fails_to_load_keeps_the_label_though_a_later_bucket_carri
         failed, after, buckets = asyncio.run(scenario())
     finally:
         served.stop()
-    assert buckets > 2  # the failing bucket (the first, of several tensors: loaded from buffers) was not the last
+    assert buckets > 2  # the failing bucket (the second, of several tensors: loaded from buffers) was not the last
     assert failed == "0" and after == "8"
 
 
@@ -651,6 +655,52 @@ def test_a_push_flushes_only_engines_that_may_keep_a_prefix_cache_and_asks_once(
     assert cpu_version == "2"
     assert cached == ["prefix_cache?", "end", "flush", "continue", "end", "flush", "continue"]
     assert silent == ["prefix_cache?", "end", "flush", "continue"]
+
+
+class _Announcing(SGLangClient):
+    """A real client that notes each announcement in a shared list of events."""
+
+    events: list[str]
+
+    async def update_weights_from_distributed(self, **kw: Any) -> Any:  # type: ignore[override]
+        self.events.append("announce")
+        return await super().update_weights_from_distributed(**kw)
+
+
+@pytest.mark.slow
+def test_the_first_bucket_goes_out_once_a_sixteenth_of_a_bucket_is_packed(tmp_path: Path) -> None:
+    """With a slow exporter (a gather across ranks) the wire starts early: the first bucket closes at a sixteenth of
+    a bucket, while the exporter still gathers what fills the next one. Here one bucket holds the whole model, and
+    without the small first bucket nothing would be announced before the last tensor was gathered."""
+    model_dir = init_tiny_model("qwen3", tmp_path / "model", seed=0)
+    new_dir = init_tiny_model("qwen3", tmp_path / "new", seed=1)
+    weights = sorted(load_file(str(new_dir / "model.safetensors")).items())
+    total = sum(t.numel() * t.element_size() for _, t in weights)
+    served = ServedEngine(model_dir)
+    events: list[str] = []
+
+    def exporter() -> Iterator[tuple[str, torch.Tensor]]:
+        for i, (name, tensor) in enumerate(weights):
+            time.sleep(0.01)
+            events.append(f"exported {i}")
+            yield name, tensor
+
+    async def scenario() -> int:
+        client = _Announcing(served.url, retry=NO_RETRY)
+        client.events = events
+        async with pushing(served.url, client, bucket_bytes=2 * total) as (_, pusher):
+            stats = await pusher.push(exporter(), 1)
+            return stats.buckets
+
+    try:
+        buckets = asyncio.run(scenario())
+    finally:
+        served.stop()
+    gathered = sum(1 for e in events[: events.index("announce")] if e.startswith("exported"))
+    assert gathered < len(weights) // 2, events  # the first bucket (about 40 KB) is 3 tensors, the model 25
+    assert buckets == 2
+    params = served.engine.model.state_dict()
+    assert all(torch.equal(params[n], t) for n, t in weights)
 
 
 class _SlowPause(SGLangClient):

@@ -6,10 +6,12 @@ broadcast moves a whole bucket instead of one per tensor (gloo pays a fixed cost
 it), and the same layout serves the per-tensor wire too (each tensor is a view of its bucket).
 
 ``BucketPacker.stream`` consumes the exporter lazily: each tensor is cast into its bucket's buffer as it arrives (one
-pass: cast and copy), so the whole model is never gathered. At most ``slots`` bucket buffers are alive at once: the
-one being sent and the one being packed (``BucketSlots``). The packer then waits for the sender to give a buffer
-back, which bounds rank 0's extra memory to about two buckets plus the tensor in hand. A tensor larger than a bucket
-gets a buffer of its own size, alone.
+pass: cast and copy), so the whole model is never gathered. The first bucket of a push closes at
+``first_bucket_bytes`` (the pusher asks for a sixteenth of a bucket), so the wire starts once that much is gathered
+and packed rather than a whole bucket; later buckets fill to ``bucket_bytes``. At most ``slots`` bucket buffers
+are alive at once: the one being sent and the one being packed (``BucketSlots``). The packer then waits for the
+sender to give a buffer back, which bounds rank 0's extra memory to about two buckets plus the tensor in hand. A
+tensor larger than a bucket gets a buffer of its own size, alone.
 
 **Zero-copy.** A large tensor that already is what the wire carries (the wire dtype, contiguous, on the group's
 device, at least ``zero_copy_bytes``) is not copied at all: it is broadcast from its own memory. It takes no buffer,
@@ -42,6 +44,9 @@ FLAT_FORMAT = "flattened_bucket"
 
 ZERO_COPY_MIN_BYTES = 1 << 20
 """The smallest tensor ever sent zero-copy, whatever the bucket size (see ``BucketPacker``)."""
+
+FIRST_BUCKET_SHARE = 16
+"""A streamed push's first bucket holds a sixteenth of a bucket's bytes (see ``BucketPacker``)."""
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -164,13 +169,14 @@ class PackedBucket:
 
 
 class _OpenBucket:
-    def __init__(self, buf: torch.Tensor) -> None:
+    def __init__(self, buf: torch.Tensor, limit: int) -> None:
         self.buf = buf
+        self.limit = min(limit, buf.numel())
         self.used = 0
         self.metas: list[TensorMeta] = []
 
     def fits(self, nbytes: int) -> bool:
-        return self.used + nbytes <= self.buf.numel()
+        return self.used + nbytes <= self.limit
 
     def add(self, meta: TensorMeta, tensor: torch.Tensor) -> None:
         n = meta.nbytes
@@ -217,7 +223,7 @@ class BucketPacker:
     def __init__(self, *, bucket_bytes: int, dtype: str | None, device: torch.device,
                  expected: Mapping[str, TensorMeta] | None = None, slots: int | None = 2,
                  buffers: BucketSlots | None = None, zero_copy: bool = True,
-                 zero_copy_bytes: int | None = None) -> None:
+                 zero_copy_bytes: int | None = None, first_bucket_bytes: int | None = None) -> None:
         if bucket_bytes <= 0:
             raise SyncError(f"bucket_bytes must be positive, got {bucket_bytes}")
         if dtype is not None and dtype not in DTYPE_ITEMSIZE:
@@ -229,6 +235,8 @@ class BucketPacker:
         self.dtype = dtype
         self.expected = expected
         self.device = device
+        self.first_bucket_bytes = min(first_bucket_bytes or bucket_bytes, bucket_bytes)
+        """The first bucket (flat or run) closes at this many bytes, later ones at ``bucket_bytes``."""
         self.zero_copy_bytes: int | None = None
         """Tensors of at least this many bytes go out zero-copy when they qualify; None: every tensor is copied."""
         if zero_copy:
@@ -269,6 +277,9 @@ class BucketPacker:
         # sent when full; at the end, whichever goes last carries the version label.
         run: list[tuple[TensorMeta, torch.Tensor]] = []
         run_bytes = 0
+        # Until the first bucket goes, buckets close at first_bucket_bytes: the wire starts after a sixteenth of a
+        # bucket is gathered and packed, not a whole one (a bucket of casts takes as long as its transfer on CPU).
+        limit = self.first_bucket_bytes
         try:
             for name, tensor in source:
                 if stop is not None and stop.is_set():
@@ -276,8 +287,9 @@ class BucketPacker:
                 meta = self.meta(name, tensor)
                 own = self._zero_copy(meta, tensor)
                 if own is not None:
-                    if run and run_bytes + meta.nbytes > self.bucket_bytes:
+                    if run and run_bytes + meta.nbytes > limit:
                         sent, run, run_bytes = self._close_run(run), [], 0
+                        limit = self._full_size(current)
                         yield sent, False
                     run.append((meta, own))
                     run_bytes += meta.nbytes
@@ -286,12 +298,13 @@ class BucketPacker:
                 if current is not None and not current.fits(meta.nbytes):
                     # Dropped before the yield: from here the bucket's buffer is the consumer's to give back.
                     closed, current = self._close(current), None
+                    limit = self.bucket_bytes
                     yield closed, False
                 if current is None:
                     buf = self.slots.take(meta.nbytes)
                     if buf is None:
                         break
-                    current = _OpenBucket(buf)
+                    current = _OpenBucket(buf, limit)
                 current.add(meta, tensor)
                 self.stats.tensors += 1
             else:
@@ -320,6 +333,12 @@ class BucketPacker:
         for bucket in buckets:
             bucket._release = None  # a snapshot's buffers live as long as it does
         return buckets
+
+    def _full_size(self, current: _OpenBucket | None) -> int:
+        """A bucket went: from now on buckets fill to ``bucket_bytes``, the open flat one too."""
+        if current is not None:
+            current.limit = current.buf.numel()
+        return self.bucket_bytes
 
     def _zero_copy(self, meta: TensorMeta, tensor: torch.Tensor) -> torch.Tensor | None:
         """The tensor itself, to be sent from its own memory, or None where it must be copied: too small to pay for

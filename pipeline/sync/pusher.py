@@ -19,7 +19,7 @@ import torch
 
 from pipeline.errors import SyncError
 from pipeline.sync.base import DTYPE_ITEMSIZE, EngineReply, TensorMeta, WeightUpdateEngine
-from pipeline.sync.packing import FLAT_FORMAT, BucketPacker, BucketSlots, PackedBucket
+from pipeline.sync.packing import FIRST_BUCKET_SHARE, FLAT_FORMAT, BucketPacker, BucketSlots, PackedBucket
 from pipeline.sync.sources import Prepacked, Streamed, exhaust, is_packed
 from pipeline.sync.weights import (
     DEFAULT_BUCKET_BYTES,
@@ -162,12 +162,13 @@ class WeightPusher:
                    flat=flat, zero_copy=zero_copy, zero_copy_bytes=zero_copy_bytes)
 
     def packer(self) -> BucketPacker:
-        """A packer for one streamed push: this pusher's bucket size, wire dtype, device, two reused buffers, and
-        zero-copy for large tensors in the wire dtype."""
+        """A packer for one streamed push: this pusher's bucket size (the first bucket a sixteenth of it), wire
+        dtype, device, two reused buffers, and zero-copy for large tensors in the wire dtype."""
         self._buffers.reset()
         return BucketPacker(bucket_bytes=self.bucket_bytes, dtype=self.dtype, device=self.group.device,
                             expected=self.expected, buffers=self._buffers, zero_copy=self.zero_copy,
-                            zero_copy_bytes=self.zero_copy_bytes)
+                            zero_copy_bytes=self.zero_copy_bytes,
+                            first_bucket_bytes=self.bucket_bytes // FIRST_BUCKET_SHARE)
 
     def pack(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[PackedBucket]:
         """Every weight cast and packed now, for a push later (a snapshot: the model in the wire dtype, copied, never
