@@ -387,7 +387,14 @@ def test_a_push_sends_large_tensors_zero_copy_and_a_paused_engine_receives_them_
             running = asyncio.ensure_future(client.generate(PROMPT, greedy))
             while (await client.get_load()).total("tokens_generated") < 30:
                 await asyncio.sleep(0.005)
-            stats = await pusher.push(exporter(), 1)
+            scheduler = served.engine.scheduler
+            call = scheduler.call
+            loads: list[Any] = []  # what the push queued for the scheduler thread
+            scheduler.call = lambda action: loads.append(action) or call(action)  # type: ignore[method-assign]
+            try:
+                stats = await pusher.push(exporter(), 1)
+            finally:
+                scheduler.call = call  # type: ignore[method-assign]
             first_takes, first_broadcasts = list(takes), len(broadcasts)
             result = await running
             after = await client.generate(PROMPT, {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True})
@@ -415,6 +422,7 @@ def test_a_push_sends_large_tensors_zero_copy_and_a_paused_engine_receives_them_
             failed_load = await client.get_load()
             version_after_failure = await client.weight_version()
             return {"stats": stats, "result": result, "after": after, "load": load, "takes": first_takes,
+                    "loads": len(loads),
                     "broadcasts": first_broadcasts, "landed": landed,
                     "announced": client.announced, "formats": client.formats, "failed_load": failed_load,
                     "version_after_failure": version_after_failure}
@@ -484,6 +492,13 @@ def test_a_push_sends_large_tensors_zero_copy_and_a_paused_engine_receives_them_
     assert loader.bytes_buffered == 2 * (sum(nbytes.values()) - in_place)
     assert load.ranks[0]["weight_bytes_received_in_place"] == in_place
     assert load.total("weight_bytes_received") == sum(nbytes.values()) == stats.bytes
+    # Only buckets with something to load go to the scheduler thread: the buffered ones, and the labelled one
+    # (whose load moves the label); an unlabelled bucket received in place queues nothing that the end would wait
+    # for after the last byte.
+    received_in_place = [names for names in first_push if names in runs or len(names) == 1]
+    labelled_in_place = first_push[-1] in received_in_place
+    assert len(received_in_place) >= 2
+    assert out["loads"] == stats.buckets - len(received_in_place) + labelled_in_place
 
     # Generation: the request that straddled the push matches the old model up to the switch and the new one after
     # it (over the old model's KV cache, as pausing in place leaves it); a request after the push, the new model.
