@@ -20,8 +20,8 @@ SURFACE = {
     "bench rollout": ([], ["--capture-reference", "--concurrency", "--group-size", "--groups", "--json", "--layers",
                            "--max-new-tokens", "--no-capture-reference", "--num-experts", "--rounds", "--temperature",
                            "--topk"]),
-    "bench sync": ([], ["--big", "--bucket-mb", "--engine-dtype", "--json", "--no-big", "--out", "--rounds",
-                        "--sizes-mb"]),  # issue 9 asks for it
+    "bench sync": ([], ["--big", "--bucket-mb", "--engine-dtype", "--json", "--min-seconds", "--no-big", "--out",
+                        "--rounds", "--sizes-mb"]),  # issue 9 asks for it
     "engine serve": (["model_dir", "engine_args"], []),
     "eval": ([], ["--checkpoints", "--group", "--heldout", "--json", "--redis", "--reset", "--run", "--run-dir", "--start",
                   "--until-idle"]),

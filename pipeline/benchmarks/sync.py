@@ -7,12 +7,15 @@ For each model size, a Qwen3 of that many bytes of fp32 weights is written local
 - **push**: ``WeightPusher.push`` of every weight, exactly as the trainer streams it (pause, per-bucket
   announcement and flat broadcast, packing of the next bucket during the send, the engine's load, end, continue);
 - **reference**: one flat uint8 broadcast of the same number of bytes between the same two processes over the same
-  group, which the engine receives into a buffer it allocated beforehand and drops (``/weight_group_probe``).
+  group, from a buffer this process allocated once, into one the engine allocated beforehand
+  (``/weight_group_probe``).
 
-The ratio is push GB/s over reference GB/s, the median over rounds (goal >= 0.95). Also reported: bytes sent per
-parameter byte (1.0 for an fp32 engine, 0.5 for bf16), and rank 0's peak extra memory during the pushes: the peak RSS
-(reset through ``/proc/self/clear_refs`` before each push) minus the RSS before the first push (the weights resident,
-no pusher yet), so the two bucket buffers the pusher keeps from push to push count; next to it the buffers alone.
+A size runs ``rounds`` rounds at least, and more until ``min_seconds`` of pushes and references: many for the
+small models, whose single rounds vary most. The ratio is push GB/s over reference GB/s, the median over rounds
+(goal >= 0.95), with its quartiles. Also reported: bytes sent per parameter byte (1.0 for an fp32 engine, 0.5 for
+bf16), and rank 0's peak extra memory during the pushes: the peak RSS (reset through ``/proc/self/clear_refs`` before
+each push) minus the RSS before the first push (the weights and the reference's buffer resident, no pusher yet), so
+the two bucket buffers the pusher keeps from push to push count; next to it the buffers alone.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ if TYPE_CHECKING:  # torch stays out of `sluice --help`, which builds this modul
 
 MB = 1 << 20
 BIG_SIZES_MB = "500,1000,2000"
+MAX_ROUNDS_FACTOR = 20
 
 
 @dataclass
@@ -54,7 +58,11 @@ class SyncBenchParams:
     engine_dtype: str = "float32"
     """The receiving engine's dtype; bfloat16 halves the bytes on the wire."""
     rounds: int = 7
-    """Timed rounds per size; each runs the push and the reference once (a shared machine needs several)."""
+    """Timed rounds per size at least; each runs the push and the reference once (a shared machine needs several)."""
+    min_seconds: float = 4.0
+    """More rounds until a size's pushes and references took this long in all (at most ``MAX_ROUNDS_FACTOR`` times
+    ``rounds``): a round of the 50 MB model takes 50 ms, and single rounds there vary by a fifth on a shared machine,
+    so its median needs far more rounds than the 2 GB model's."""
     out: str = ""
     """Also write the JSON result to this file."""
 
@@ -125,9 +133,16 @@ async def _wait_healthy(client: SGLangClient, timeout_s: float = 600.0) -> None:
 
 async def _measure(client: SGLangClient, weights: list[tuple[str, torch.Tensor]], params: SyncBenchParams,
                    param_bytes: int) -> dict[str, Any]:
+    import torch
+
     from pipeline.sync.pusher import WeightPusher
 
     await _wait_healthy(client)
+    # The reference's buffer, allocated and touched once and resident throughout: one allocated and freed per round
+    # was sometimes still counted at the next push's reset (a 514 MB and a 54 MB reading, once in 35 and 85 pushes).
+    itemsize = 2 if params.engine_dtype in ("bfloat16", "float16") else 4
+    flat = torch.ones(sum(t.numel() * (itemsize if t.is_floating_point() else t.element_size()) for _, t in weights),
+                      dtype=torch.uint8)
     baseline = _status("VmRSS")  # the weights are resident already; what the push adds is measured from here
     pusher = await WeightPusher.connect([client], master_address="127.0.0.1", backend="gloo", timeout_s=600,
                                         bucket_bytes=params.bucket_mb * MB, dtype=params.engine_dtype)
@@ -136,8 +151,13 @@ async def _measure(client: SGLangClient, weights: list[tuple[str, torch.Tensor]]
         pushes: list[dict[str, Any]] = []
         references: list[float] = []
         version = 0
-        for round_ in range(params.rounds):
-            for kind in (("push", "reference") if round_ % 2 == 0 else ("reference", "push")):
+        round_ = 0
+        while round_ < params.rounds or (
+            round_ < MAX_ROUNDS_FACTOR * params.rounds
+            and sum(p["seconds"] for p in pushes) + sum(references) < params.min_seconds
+        ):
+            round_ += 1
+            for kind in (("push", "reference") if round_ % 2 == 1 else ("reference", "push")):
                 if kind == "push":
                     version += 1
                     measured = _reset_peak()
@@ -146,8 +166,7 @@ async def _measure(client: SGLangClient, weights: list[tuple[str, torch.Tensor]]
                                    "peak_buffer_bytes": stats.peak_buffer_bytes,
                                    "peak_extra_rss": _status("VmHWM") - baseline if measured else None})
                 else:
-                    references.append(await _reference(client, pusher, pushes[-1]["bytes"] if pushes else None,
-                                                       weights, params))
+                    references.append(await _reference(client, pusher, flat))
         # Where the push's time beyond the broadcast goes, part one: casting and packing alone (no send), which on a
         # machine with cores to spare overlaps the previous bucket's transfer.
         packing = []
@@ -159,6 +178,8 @@ async def _measure(client: SGLangClient, weights: list[tuple[str, torch.Tensor]]
     finally:
         await pusher.close()
     wire = pushes[0]["bytes"]
+    if wire != flat.numel():
+        raise EngineError(f"the push sent {wire} bytes, the reference {flat.numel()}; they must send the same")
     push_s = statistics.median(p["seconds"] for p in pushes)
     ref_s = statistics.median(references)
     ratios = [r / p["seconds"] for r, p in zip(references, pushes, strict=True)]
@@ -173,6 +194,8 @@ async def _measure(client: SGLangClient, weights: list[tuple[str, torch.Tensor]]
         "push_GB_per_s": wire / push_s / 1e9,
         "reference_GB_per_s": wire / ref_s / 1e9,
         "ratio": statistics.median(ratios),
+        "ratio_quartiles": _quartiles(ratios),
+        "rounds": len(ratios),
         "ratios": ratios,
         # On a shared machine the fastest round of each is the one least disturbed by other processes; their ratio
         # estimates the cost of the push's own work apart from that noise.
@@ -185,18 +208,22 @@ async def _measure(client: SGLangClient, weights: list[tuple[str, torch.Tensor]]
     }
 
 
-async def _reference(client: SGLangClient, pusher: WeightPusher, nbytes: int | None,
-                     weights: list[tuple[str, torch.Tensor]], params: SyncBenchParams) -> float:
-    if nbytes is None:  # the first round runs the reference first: the push's byte count is known in advance
-        itemsize = 2 if params.engine_dtype in ("bfloat16", "float16") else 4
-        nbytes = sum(t.numel() * (itemsize if t.is_floating_point() else t.element_size()) for _, t in weights)
-    import torch
+def _quartiles(values: list[float]) -> list[float]:
+    """The first and third quartiles: how far single rounds spread around the median."""
+    if len(values) < 2:
+        return [values[0], values[0]]
+    q1, _, q3 = statistics.quantiles(values, n=4)
+    return [q1, q3]
 
+
+async def _reference(client: SGLangClient, pusher: WeightPusher, flat: torch.Tensor) -> float:
+    """One flat broadcast of ``flat`` (allocated and touched before the clock starts) into a buffer the engine
+    prepared; its seconds."""
+    nbytes = flat.numel()
     group = pusher.group.group_name
     reply = await client.weight_group_probe(group, nbytes, prepare=True)
     if not reply.success:
         raise EngineError(f"engine {client.name} could not prepare the reference: {reply.message}")
-    flat = torch.ones(nbytes, dtype=torch.uint8)  # allocated and touched before the clock starts
     start = time.perf_counter()
     receiving = asyncio.ensure_future(client.weight_group_probe(group, nbytes))
     await asyncio.to_thread(pusher.group.broadcast, flat, 0)
@@ -258,8 +285,9 @@ def summary_lines(res: dict[str, Any]) -> list[str]:
     for size, r in res["sizes"].items():
         rss = "n/a" if r["peak_extra_rss_MB"] is None else f"{r['peak_extra_rss_MB']:.0f} MB"
         lines.append(f"  {size:>5} MB model: push {r['push_GB_per_s']:.3f} GB/s / reference "
-                     f"{r['reference_GB_per_s']:.3f} GB/s = {r['ratio']:.3f} (of the fastest rounds "
-                     f"{r['ratio_of_minimums']:.3f}); {r['bytes_per_param_byte']:.2f} bytes "
+                     f"{r['reference_GB_per_s']:.3f} GB/s = {r['ratio']:.3f} (quartiles "
+                     f"{r['ratio_quartiles'][0]:.3f}-{r['ratio_quartiles'][1]:.3f} over {r['rounds']} rounds; of "
+                     f"the fastest rounds {r['ratio_of_minimums']:.3f}); {r['bytes_per_param_byte']:.2f} bytes "
                      f"per parameter byte; rank 0 peak extra {rss} (bucket buffers {r['peak_buffer_MB']:.0f} MB)")
     lines.append(f"  lowest ratio {res['ratio_min']:.3f} (goal {res['goal']})")
     return lines
