@@ -275,7 +275,13 @@ class WeightPusher:
                 log.debug("engine %s kept its prefix cache after push %s: %s", engine.name, version, reply)
 
     async def close(self) -> None:
-        """Have every engine leave the group, then tear down this end; a new ``connect`` may reuse the group name."""
+        """Have every engine leave the group, then tear down this end; a new ``connect`` may reuse the group name.
+
+        A broken group's end here goes first: an engine may still wait in a broadcast that will never be sent (one
+        engine died inside a push, and the others had posted their receives). Its leaving would wait for that
+        receive, until the group's timeout (300 s), and the receive fails only once this end's connections close."""
+        if self.group.broken is not None:
+            await asyncio.to_thread(self.group.close)
         calls = [e.destroy_weights_update_group(self.group.group_name) for e in self.engines]
         try:
             await _expect_success(self.engines, calls, "destroy_weights_update_group")
@@ -362,6 +368,9 @@ class WeightPusher:
                 task.cancel()
             if not landed:
                 self.group.mark_broken(f"a weight push failed mid-bucket: {exc}")
+            # The error may be a sending's own, which would then hold this frame and so every sending's broadcasts:
+            # a cycle that keeps the gloo communicator, and its connections to the engines, alive past close().
+            sendings.clear()
             raise
         # Every bucket is in on every engine: what fails from here is a load, and the group is still in step.
         await _expect_success(self.engines, ends, "end_weight_update")

@@ -110,18 +110,23 @@ class EngineRotation:
         try:
             stats = await self.pusher.push(source, weight_version)
         except SyncError as exc:
+            failure = str(exc)
             alive = await self._answering(self.members)  # waits for one to come back if none answers
             restarted = await self._restarted(alive)
             if len(alive) == len(self.members) and not restarted:
                 raise  # every engine answers as it did: not an engine fault, and nothing to route around
-            gone = [e.name for e in self.members if e not in alive]
-            log.warning("weight push %s failed (%s); out of the rotation: %s; restarted: %s; the push goes to the %d "
-                        "answering", weight_version, exc, ", ".join(gone) or "none",
-                        ", ".join(e.name for e in restarted) or "none", len(alive))
-            await self._rebuild(alive)
-            return None
-        self.pushed = str(weight_version)
-        return stats
+        else:
+            self.pushed = str(weight_version)
+            return stats
+        # Rebuilt only once the error is dropped: it holds the failed push's broadcasts, and with them the old
+        # group's connections, which an engine still waiting in one of them needs closed to give up
+        # (WeightPusher.close).
+        gone = [e.name for e in self.members if e not in alive]
+        log.warning("weight push %s failed (%s); out of the rotation: %s; restarted: %s; the push goes to the %d "
+                    "answering", weight_version, failure, ", ".join(gone) or "none",
+                    ", ".join(e.name for e in restarted) or "none", len(alive))
+        await self._rebuild(alive)
+        return None
 
     def pack(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[PackedBucket]:
         """The weights packed for the current group's wire dtype, to push later (``WeightPusher.pack``)."""

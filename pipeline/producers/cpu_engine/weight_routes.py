@@ -154,7 +154,7 @@ class WeightRoutes:
             return reply(False, f"backend {body.backend!r} is not available in the CPU engine; use backend 'gloo'")
         old = self.engine.groups.pop(body.group_name, None)
         if old is not None:
-            old.close()
+            await _leave(old)
         tp = self.engine.cfg.tp
         try:
             group = await TpWeightGroup.join(tp, master_address=body.master_address, master_port=body.master_port,
@@ -174,7 +174,7 @@ class WeightRoutes:
         group = self.engine.groups.pop(name, None)
         if group is None:
             return reply(False, f"no weight group named {name!r}")
-        group.close()
+        await _leave(group)
         return reply(True, f"left weight group {name!r}")
 
     async def begin_update(self, request: web.Request) -> web.Response:
@@ -375,3 +375,9 @@ class WeightRoutes:
         """``POST /flush_cache``: nothing to flush (no prefix cache); kept for protocol compatibility."""
         return reply(True, "Cache flushed (the CPU engine keeps no prefix cache).")
 
+
+async def _leave(group: TpWeightGroup) -> None:
+    """Tear down this engine's members of a weight group off the event loop: a member's shutdown waits for its
+    receives in flight, and one left waiting by a push that broke (another engine died inside it) ends only when the
+    trainer's end closes or the group times out. Generation and every other route go on meanwhile."""
+    await asyncio.to_thread(group.close)
