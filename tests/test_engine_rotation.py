@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,21 @@ async def _connect(members: list) -> WeightPusher:
 
 async def _greedy(client: SGLangClient) -> np.ndarray:
     return (await client.generate(PROMPT, GREEDY, return_logprob=False)).output_ids
+
+
+async def _close(rotation: EngineRotation, clients: list[SGLangClient]) -> None:
+    await rotation.close()
+    for c in clients:
+        await c.close()
+
+
+def _run(scenario: Callable[[], Coroutine[Any, Any, None]], engines: list[Any]) -> None:
+    """Run the scenario; every engine in ``engines`` (it may add the ones it restarts) is stopped whatever happens."""
+    try:
+        asyncio.run(scenario())
+    finally:
+        for e in engines:
+            e.stop()
 
 
 def test_a_dead_engine_leaves_the_rotation_and_a_restarted_one_is_re_synced(model_dir: Path, tmp_path: Path) -> None:
@@ -90,15 +105,9 @@ def test_a_dead_engine_leaves_the_rotation_and_a_restarted_one_is_re_synced(mode
             with pytest.raises(SyncError, match="no engine answers"):
                 await rotation.push(weights, 6)
         finally:
-            await rotation.close()
-            for c in clients:
-                await c.close()
+            await _close(rotation, clients)
 
-    try:
-        asyncio.run(main())
-    finally:
-        for e in engines:
-            e.stop()
+    _run(main, engines)
 
 
 def test_a_push_that_fails_before_sending_still_walks_the_exporter() -> None:
@@ -183,15 +192,9 @@ def test_an_engine_killed_inside_a_push_leaves_the_rotation_and_the_push_lands_o
             assert [await c.weight_version() for c in clients] == ["3", "3"]
             assert np.array_equal(await _greedy(clients[1]), trained)
         finally:
-            await rotation.close()
-            for c in clients:
-                await c.close()
+            await _close(rotation, clients)
 
-    try:
-        asyncio.run(main())
-    finally:
-        for e in engines:
-            e.stop()
+    _run(main, engines)
 
 
 def test_an_engine_leaving_a_group_with_a_receive_stuck_in_it_keeps_serving(model_dir: Path, tmp_path: Path) -> None:
