@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import EngineError
 from pipeline.producers.sglang_client import NO_RETRY, SGLangClient
+from pipeline.sync.base import DTYPE_ITEMSIZE
 
 if TYPE_CHECKING:  # torch stays out of `sluice --help`, which builds this module's flags from SyncBenchParams
     import torch
@@ -140,7 +141,7 @@ async def _measure(client: SGLangClient, weights: list[tuple[str, torch.Tensor]]
     await _wait_healthy(client)
     # The reference's buffer, allocated and touched once and resident throughout: one allocated and freed per round
     # was sometimes still counted at the next push's reset (a 514 MB and a 54 MB reading, once in 35 and 85 pushes).
-    itemsize = 2 if params.engine_dtype in ("bfloat16", "float16") else 4
+    itemsize = DTYPE_ITEMSIZE[params.engine_dtype]
     flat = torch.ones(sum(t.numel() * (itemsize if t.is_floating_point() else t.element_size()) for _, t in weights),
                       dtype=torch.uint8)
     baseline = _status("VmRSS")  # the weights are resident already; what the push adds is measured from here
@@ -151,22 +152,21 @@ async def _measure(client: SGLangClient, weights: list[tuple[str, torch.Tensor]]
         pushes: list[dict[str, Any]] = []
         references: list[float] = []
         version = 0
-        round_ = 0
-        while round_ < params.rounds or (
-            round_ < MAX_ROUNDS_FACTOR * params.rounds
-            and sum(p["seconds"] for p in pushes) + sum(references) < params.min_seconds
-        ):
+        round_, spent = 0, 0.0
+        while more_rounds(round_, spent, params):
             round_ += 1
             for kind in (("push", "reference") if round_ % 2 == 1 else ("reference", "push")):
                 if kind == "push":
                     version += 1
                     measured = _reset_peak()
                     stats = await pusher.push(weights, version)
+                    spent += stats.seconds
                     pushes.append({"seconds": stats.seconds, "bytes": stats.bytes, "buckets": stats.buckets,
                                    "peak_buffer_bytes": stats.peak_buffer_bytes,
                                    "peak_extra_rss": _status("VmHWM") - baseline if measured else None})
                 else:
                     references.append(await _reference(client, pusher, flat))
+                    spent += references[-1]
         # Where the push's time beyond the broadcast goes, part one: casting and packing alone (no send), which on a
         # machine with cores to spare overlaps the previous bucket's transfer.
         packing = []
@@ -194,7 +194,7 @@ async def _measure(client: SGLangClient, weights: list[tuple[str, torch.Tensor]]
         "push_GB_per_s": wire / push_s / 1e9,
         "reference_GB_per_s": wire / ref_s / 1e9,
         "ratio": statistics.median(ratios),
-        "ratio_quartiles": _quartiles(ratios),
+        "ratio_quartiles": quartiles(ratios),
         "rounds": len(ratios),
         "ratios": ratios,
         # On a shared machine the fastest round of each is the one least disturbed by other processes; their ratio
@@ -208,7 +208,13 @@ async def _measure(client: SGLangClient, weights: list[tuple[str, torch.Tensor]]
     }
 
 
-def _quartiles(values: list[float]) -> list[float]:
+def more_rounds(done: int, seconds: float, params: SyncBenchParams) -> bool:
+    """Whether a size runs another round after ``done`` rounds that took ``seconds`` (pushes and references): up to
+    ``rounds`` always, then until ``min_seconds``, and never beyond ``MAX_ROUNDS_FACTOR`` times ``rounds``."""
+    return done < params.rounds or (done < MAX_ROUNDS_FACTOR * params.rounds and seconds < params.min_seconds)
+
+
+def quartiles(values: list[float]) -> list[float]:
     """The first and third quartiles: how far single rounds spread around the median."""
     if len(values) < 2:
         return [values[0], values[0]]
