@@ -211,6 +211,11 @@ class SyncConfig(_Strict):
     """Port of the trainer's weight-group store; 0: the trainer binds one the OS picks and tells the engines."""
     timeout_s: float = Field(300.0, gt=0)
     """Timeout of the weight group's collectives."""
+    stall_timeout_s: float = Field(120.0, gt=0)
+    """The longest a push may keep generation paused: one not done by then is abandoned (its update windows closed,
+    generation continued if no weight had changed yet) and made again on a rebuilt group. Keep it under SGLang's
+    --watchdog-timeout (300 s by default), which kills a server whose scheduler stayed paused that long, and above
+    the time a whole push takes (big models on GPU: raise both)."""
     wire: Literal["flat", "tensors"] = "flat"
     """flat: one broadcast per bucket (SGLang's load_format "flattened_bucket"); tensors: one per tensor."""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"

@@ -341,9 +341,8 @@ def test_announcement_checks() -> None:
     ["shape_mismatch", "unknown_name", "bad_dtype", "duplicate", "empty"],
 )
 def test_pusher_rejects_before_any_announcement_or_broadcast(case: str) -> None:
-    """The first bucket is packed while the engines pause and open their windows (one round trip for all three), so
-    a tensor it refuses fails the push with the windows open: they are closed again, nothing is announced, and, as
-    after any failed push, generation stays paused until a whole push lands."""
+    """The first bucket is packed while the engines pause, and no window opens before it is: a tensor it refuses
+    fails the push before any begin or announcement, so no weight changed and generation continues at once."""
     group = init_weight_group("127.0.0.1", _free_port(), 0, 1, "solo", timeout_s=10)
     engine = _RecordingEngine()
     expected = {"w": TensorMeta("w", "float32", (4, 4))}
@@ -357,7 +356,7 @@ def test_pusher_rejects_before_any_announcement_or_broadcast(case: str) -> None:
     }[case]
     with pytest.raises(SyncError):
         _run(pusher.push(tensors, weight_version=1))
-    assert engine.calls == ["pause", "begin", "end"]
+    assert engine.calls == ["pause", "continue"]
     group.close()
 
 

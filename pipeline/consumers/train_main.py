@@ -169,7 +169,7 @@ async def _connect_pusher(cfg: SluiceConfig, engines: Sequence[WeightUpdateEngin
             members, master_address=address, master_port=port, backend=backend, timeout_s=cfg.sync.timeout_s,
             ranks_per_engine=ranks,
             bucket_bytes=cfg.sync.bucket_mb * 2**20 if cfg.sync.bucket_mb else None, dtype=dtype,
-            flat=cfg.sync.wire == "flat",
+            flat=cfg.sync.wire == "flat", stall_timeout_s=cfg.sync.stall_timeout_s,
         )
 
     def discover(known: list[WeightUpdateEngine]) -> list[WeightUpdateEngine]:

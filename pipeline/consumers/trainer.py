@@ -232,7 +232,7 @@ class Trainer:
             # Waiting for data is the trainer's idle time; the commit is charged to the step after it. With the push
             # in the background, push_s is the export alone and push_wait_s what the previous push still took.
             metrics.update({"time/drain_s": t1 - t0, "time/push_s": time.perf_counter() - t2,
-                            "time/push_wait_s": push_wait, "time/commit_s": commit_s})
+                            "time/push_wait_s": push_wait, "time/commit_s": commit_s, **self._push_counters()})
             self.record(batch, metrics)
             commit_s = 0.0
             if self.step % self.s.checkpoint_every == 0 or self.step == self.s.steps or self._stop:
@@ -375,6 +375,12 @@ class Trainer:
         else:
             self._send(weights, version, self.step, final)
             self.finish_push()
+
+    def _push_counters(self) -> dict[str, float]:
+        """Running totals of the push's trouble: engines that kept their prefix cache after a push (SGLang refuses a
+        flush while requests are paused in place) and pushes abandoned as stalled."""
+        return {f"sync/{key}": float(getattr(self.pusher, key)) for key in ("flush_refused", "stalls")
+                if hasattr(self.pusher, key)}
 
     def _snapshot(self) -> list[Any]:
         """The weights as they are now, safe from the next optimizer step: packed in the wire dtype when the pusher

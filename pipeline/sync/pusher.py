@@ -49,11 +49,25 @@ class PushStats:
     zero_copy_bytes: int = 0
     """Bytes sent straight from the tensors' own memory, never copied into a bucket (a streamed push's large
     tensors in the wire dtype)."""
+    flush_refused: int = 0
+    """Engines that kept their prefix cache after this push (SGLang flushes only a fully idle engine, and requests
+    paused in place are pending). New requests still never reuse those prefixes: the engine clients key the cache
+    by weight version (``SGLangClient``, ``extra_key``)."""
 
     @property
     def mb_per_s(self) -> float:
         """Throughput in MiB/s."""
         return self.bytes / MB / self.seconds if self.seconds > 0 else math.inf
+
+
+DEFAULT_STALL_TIMEOUT_S = 120.0
+"""How long a push may keep generation paused before it is abandoned: well inside SGLang's scheduler watchdog
+(300 s), which kills a server paused for longer."""
+_SETTLE_TIMEOUT_S = 10.0  # for the ends and continues that clean up after a failed push: none of them takes a lock
+
+
+class PushStalledError(SyncError):
+    """A weight push did not finish within its stall timeout; the message names the step it was waiting for."""
 
 
 _NOTHING_TO_PUSH = "a weight push needs at least one tensor; use /update_weight_version to only bump the version"
@@ -65,10 +79,15 @@ Weights = Iterable[tuple[str, torch.Tensor]] | Sequence[PackedBucket]
 class WeightPusher:
     """Rank 0 of the weight group: pushes named tensors to every engine, bucket by bucket.
 
-    Per push: ``/pause_generation`` (in place) and ``/begin_weight_update`` on all engines, together; per bucket
+    Per push: ``/pause_generation`` (in place) on all engines, and once every engine confirmed its pause,
+    ``/begin_weight_update`` on all (SGLang's begin takes the model-update writer lock unless the engine is already
+    paused, and that lock waits for every in-flight generation, which a later in-place pause freezes); per bucket
     ``/update_weights_from_distributed`` to all engines concurrently with the bucket's broadcast (one flat uint8
     tensor, SGLang's ``flattened_bucket`` format, or one broadcast per tensor with ``flat=False``); then
-    ``/end_weight_update``, a best-effort ``/flush_cache`` and ``/continue_generation``. The next
+    ``/end_weight_update``, a best-effort ``/flush_cache`` (an engine with requests paused in place refuses it;
+    refusals are counted in ``PushStats.flush_refused``) and ``/continue_generation``. A push not finished
+    ``stall_timeout_s`` after it began raises ``PushStalledError`` (well inside SGLang's 300 s scheduler watchdog,
+    which kills a server paused for longer); see ``push`` for what the engines are left with then. The next
     bucket is cast and packed in a thread while the current one is on the wire, and at most two bucket buffers exist
     at once (``pipeline.sync.packing``). A streamed push sends a large tensor already in the wire dtype straight from
     its own memory (``zero_copy_bytes``, see ``BucketPacker``), so the named tensors must not change until ``push``
@@ -88,6 +107,7 @@ class WeightPusher:
         flat: bool = True,
         zero_copy: bool = True,
         zero_copy_bytes: int | None = None,
+        stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
     ) -> None:
         if group.rank != 0:
             raise SyncError(f"the pusher must be rank 0 of the weight group, this process is rank {group.rank}")
@@ -105,6 +125,13 @@ class WeightPusher:
         self.flat = flat
         self.zero_copy = zero_copy
         self.zero_copy_bytes = zero_copy_bytes
+        if stall_timeout_s <= 0:
+            raise SyncError(f"stall_timeout_s must be positive, got {stall_timeout_s}")
+        self.stall_timeout_s = stall_timeout_s
+        self.flush_refused = 0
+        """Refused flushes over every push of this pusher."""
+        self._stage = "idle"  # what the push in progress waits for (named when it stalls)
+        self._announced = False  # whether the push in progress announced a bucket: the engines' weights may differ
         self._buffers = BucketSlots(2, self.bucket_bytes, group.device)  # reused by every streamed push
         self._flushable: list[WeightUpdateEngine] | None = None  # asked once, at the first push's flush
         self._ordered: bool | None = None  # asked once, at the first push: may announcements run ahead of answers
@@ -127,6 +154,7 @@ class WeightPusher:
         flat: bool = True,
         zero_copy: bool = True,
         zero_copy_bytes: int | None = None,
+        stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
     ) -> WeightPusher:
         """Host the weight group and have every engine join it; ``ranks_per_engine`` is each engine's TP size.
 
@@ -159,7 +187,7 @@ class WeightPusher:
         await _expect_success(engines, joins, "init_weights_update_group")
         group = await asyncio.wait_for(hosting, timeout_s)
         return cls(group, engines, bucket_bytes=bucket_bytes, dtype=dtype, expected=expected, flush_cache=flush_cache,
-                   flat=flat, zero_copy=zero_copy, zero_copy_bytes=zero_copy_bytes)
+                   flat=flat, zero_copy=zero_copy, zero_copy_bytes=zero_copy_bytes, stall_timeout_s=stall_timeout_s)
 
     def packer(self) -> BucketPacker:
         """A packer for one streamed push: this pusher's bucket size (the first bucket a sixteenth of it), wire
@@ -185,6 +213,11 @@ class WeightPusher:
         them until this returns. The first bucket is packed, so every check of its tensors has passed, before any
         engine is asked anything; a later tensor that fails a check fails the push after earlier buckets went out,
         and the engines keep the old version label until a whole push lands.
+
+        A push that fails or stalls (``PushStalledError`` after ``stall_timeout_s``) closes the engines' update
+        windows. If no bucket was announced yet, the engines still hold the old weights whole and continue
+        generating under the old label; otherwise they may hold a mix, so they stay paused for the next push (the
+        rotation's retry, or the restarted trainer's re-sync), which alone may continue them.
         """
         version = str(weight_version)
         if self.group.broken is not None:
@@ -195,35 +228,68 @@ class WeightPusher:
             )
         start = time.perf_counter()
         source = Prepacked(weights) if is_packed(weights) else Streamed(self.packer(), weights)  # type: ignore[arg-type]
+        self._stage, self._announced = "the first bucket", False
+        deadline = asyncio.timeout(self.stall_timeout_s)
+        try:
+            async with deadline:
+                buckets, tensors, sent, refused = await self._push(source, version)
+        except TimeoutError as exc:
+            if not deadline.expired():
+                raise
+            self.group.mark_broken(f"a weight push stalled waiting for {self._stage}")
+            raise PushStalledError(
+                f"weight push {version} did not finish within {self.stall_timeout_s:g}s: it was waiting for "
+                f"{self._stage} ({', '.join(e.name for e in self.engines)}). The push was abandoned and the engines' "
+                f"update windows closed; {self._left_as()}. sync.stall_timeout_s sets the limit; keep it under "
+                "SGLang's --watchdog-timeout (300 s by default), which kills a server paused for longer."
+            ) from exc
+        finally:
+            self._stage = "idle"
+        self.flush_refused += refused
+        return PushStats(weight_version=version, tensors=tensors, buckets=buckets, bytes=sent,
+                         seconds=time.perf_counter() - start, peak_buffer_bytes=source.peak_buffer_bytes,
+                         zero_copy_bytes=source.zero_copy_bytes, flush_refused=refused)
+
+    def _left_as(self) -> str:
+        return ("generation continues on the old weights" if not self._announced
+                else "generation stays paused until a push lands, as some weights may have changed")
+
+    async def _push(self, source: Streamed | Prepacked, version: str) -> tuple[int, int, int, int]:
+        """The push itself: (buckets, tensors, bytes, refused flushes)."""
         buckets = tensors = sent = 0
-        opened = False
+        opened = paused = False
         try:
             # Paused in place for the whole push: requests keep their place and their KV cache, no forward pass
             # runs, so no token is computed from half-updated weights (docs/weight-push.md, "Generation across a
-            # push"). Only a whole push continues them: one that fails leaves the engines paused until the next.
+            # push").
             first = asyncio.ensure_future(source.next())
             if self._ordered:
                 # Known from an earlier push: bucket 0's announcement pauses and opens each window itself.
                 item = await first
                 if item is None:
                     raise SyncError(_NOTHING_TO_PUSH)
-                opened = True
+                opened = paused = True
                 buckets, tensors, sent = await self._push_ahead(source, item, version, begin=True)
                 item = None
             else:
-                # The pause, the window's opening and the packing of the first bucket go on together, one round trip
-                # in all: the window only admits announcements, and none is sent before every engine answered both.
+                # The pause and the packing of the first bucket go on together. The window opens only once every
+                # engine confirmed its pause: an SGLang engine that is not yet paused takes the model-update writer
+                # lock for the begin, which waits for every in-flight generation, and the pause arriving next would
+                # freeze those generations for ever (a deadlock SGLang's watchdog ends by killing the server).
+                self._stage = "every engine's /pause_generation"
+                paused = True  # before the answers: an engine that paused is continued again if another refused
                 pauses = [asyncio.ensure_future(e.pause_generation("in_place")) for e in self.engines]
-                begins = [asyncio.ensure_future(e.begin_weight_update()) for e in self.engines]
-                opened = True  # before the answers: an engine whose window opened is closed again if another refused
-                await asyncio.wait([first, *pauses, *begins])
-                for task in [*pauses, *begins]:
-                    task.exception()  # seen, in case the first bucket or a refused pause raises before they are checked
+                await asyncio.wait([first, *pauses])
+                for task in pauses:
+                    task.exception()  # seen, in case the first bucket raises before they are checked
                 item = first.result()
                 if item is None:
                     raise SyncError(_NOTHING_TO_PUSH)
                 await _expect_success(self.engines, pauses, "pause_generation")
-                await _expect_success(self.engines, begins, "begin_weight_update")
+                self._stage = "every engine's /begin_weight_update"
+                opened = True
+                await _expect_success(self.engines, [e.begin_weight_update() for e in self.engines],
+                                      "begin_weight_update")
                 if self._ordered is None:
                     self._ordered = await _take_ordered_updates(self.engines)
                     self._flushable = await _with_prefix_cache(self.engines) if self.flush_cache else []
@@ -232,47 +298,69 @@ class WeightPusher:
                     item = None
             while item is not None:
                 bucket, last = item
+                self._stage = f"bucket {buckets} (its broadcast and every engine's load)"
                 # No flush with the update: SGLang refuses to flush while requests are in flight, as they are in place.
                 await self._push_bucket(bucket, version if last else None, False)
                 buckets, tensors, sent = buckets + 1, tensors + len(bucket.metas), sent + bucket.nbytes
                 bucket.release()
                 source.sent()
+                self._stage = f"bucket {buckets} to be packed"
                 item = await source.next()
         except BaseException:
-            await source.abort()
-            if opened:
-                # Close the engines' update windows so they answer again; the original error is what matters.
-                await asyncio.gather(*(e.end_weight_update() for e in self.engines), return_exceptions=True)
+            await self._settle_failed(source, opened, paused)
             raise
         await source.abort()  # nothing left to stop; waits for the packing thread to end
         if not self._ordered:  # an engine that takes announcements in order had its end with the last one
+            self._stage = "every engine's /end_weight_update"
             await _expect_success(self.engines, [e.end_weight_update() for e in self.engines], "end_weight_update")
+        refused = 0
         if self.flush_cache:
-            await self._flush_prefix_caches(version)
+            self._stage = "the prefix caches' /flush_cache"
+            refused = await self._flush_prefix_caches(version)
         # Every engine has every weight and the new label: generation continues (an engine held since it was adopted,
         # sync.lifecycle, serves from here on too).
         if not self._continued_at_end():
+            self._stage = "every engine's /continue_generation"
             await _expect_success(self.engines, [e.continue_generation() for e in self.engines], "continue_generation")
-        return PushStats(weight_version=version, tensors=tensors, buckets=buckets, bytes=sent,
-                         seconds=time.perf_counter() - start, peak_buffer_bytes=source.peak_buffer_bytes,
-                         zero_copy_bytes=source.zero_copy_bytes)
+        return buckets, tensors, sent, refused
+
+    async def _settle_failed(self, source: Streamed | Prepacked, opened: bool, paused: bool) -> None:
+        """After a failed or stalled push: stop the packer, close the engines' windows, and continue generation if
+        no weight can have changed. Each call is bounded: the engines are paused, so none of them takes a lock, and
+        an engine that does not answer is the rotation's to find."""
+        await source.abort()
+        if opened:
+            await _settle(self.engines, "end_weight_update")
+        if paused and not self._announced:
+            # After the ends: an SGLang engine continued first would take its writer lock for the end, which waits
+            # for every generation the continue set running.
+            await _settle(self.engines, "continue_generation")
 
     def _continued_at_end(self) -> bool:
         """Whether ``/end_weight_update`` also continues generation: with one engine, which takes announcements in
         order, and no prefix cache to flush between the two, its end means every engine has the whole push."""
         return bool(self._ordered) and len(self.engines) == 1 and not self._flushable
 
-    async def _flush_prefix_caches(self, version: str) -> None:
-        """Drop cached prefixes computed by the old weights, where the engine can: SGLang refuses while requests are
-        in flight (they are, in place), and then its cache keeps them. An engine that says it keeps no prefix cache
-        (the CPU engine) is not asked: a round trip per push, a twentieth of a 50 MB push on gloo."""
+    async def _flush_prefix_caches(self, version: str) -> int:
+        """Drop cached prefixes computed by the old weights, where the engine can; returns how many refused. SGLang
+        flushes only a fully idle engine, and requests paused in place are pending, so in an async run most flushes
+        are refused; new requests still never reuse the old prefixes, which the engine clients keep apart by weight
+        version (``extra_key``), and a refused flush only leaves them to the cache's eviction. An engine that says it
+        keeps no prefix cache is not asked: a round trip per push, a twentieth of a 50 MB push on gloo."""
         if self._flushable is None:
             self._flushable = await _with_prefix_cache(self.engines)
         flushable = self._flushable
         replies = await asyncio.gather(*(e.flush_cache() for e in flushable), return_exceptions=True)  # type: ignore[attr-defined]
+        refused = 0
         for engine, reply in zip(flushable, replies):
             if isinstance(reply, BaseException) or not reply.success:
-                log.debug("engine %s kept its prefix cache after push %s: %s", engine.name, version, reply)
+                refused += 1
+                # Shown once per pusher at INFO, then counted (PushStats.flush_refused, the trainer's metrics).
+                level = logging.INFO if self.flush_refused + refused == 1 else logging.DEBUG
+                log.log(level, "engine %s kept its prefix cache after push %s (%s); new requests are keyed to the "
+                        "new version and do not reuse it. Refusals are counted in sync/flush_refused.",
+                        engine.name, version, reply if isinstance(reply, BaseException) else reply.message)
+        return refused
 
     async def close(self) -> None:
         """Have every engine leave the group, then tear down this end; a new ``connect`` may reuse the group name.
@@ -292,6 +380,7 @@ class WeightPusher:
                   **order: Any) -> dict[asyncio.Future[Any], WeightUpdateEngine]:
         """Post the bucket's ``/update_weights_from_distributed`` to every engine; the reply futures, by engine."""
         metas = bucket.metas
+        self._announced = True
         # A run of zero-copy tensors goes on the per-tensor wire whatever the pusher's format: one broadcast each,
         # from their own memory.
         extra: dict[str, Any] = {"load_format": FLAT_FORMAT} if self.flat and bucket.parts is None else {}
@@ -520,6 +609,16 @@ async def _watching(target: asyncio.Future[_T] | None, replies: dict[asyncio.Fut
                 _check_reply(replies.pop(task), task, "update_weights_from_distributed")
         if target is not None and target in done:
             return target.result()
+
+
+async def _settle(engines: Sequence[WeightUpdateEngine], endpoint: str) -> None:
+    """``endpoint`` on every engine, each answer or failure ignored, all within ``_SETTLE_TIMEOUT_S``: clean-up after a
+    failed push, whose own error is what the caller raises."""
+    calls = asyncio.gather(*(getattr(e, endpoint)() for e in engines), return_exceptions=True)
+    try:
+        await asyncio.wait_for(asyncio.shield(calls), _SETTLE_TIMEOUT_S)
+    except TimeoutError:
+        log.warning("engines did not answer /%s within %gs after a failed weight push", endpoint, _SETTLE_TIMEOUT_S)
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:

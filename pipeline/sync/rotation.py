@@ -22,7 +22,7 @@ from pipeline.errors import SyncError
 from pipeline.sync.base import WeightUpdateEngine
 from pipeline.sync.lifecycle import Adoption, ManagedEngine, adopt_engines
 from pipeline.sync.packing import PackedBucket
-from pipeline.sync.pusher import PushStats, WeightPusher
+from pipeline.sync.pusher import PushStalledError, PushStats, WeightPusher
 from pipeline.sync.sources import exhaust
 
 WeightSource = (Sequence[PackedBucket] | Sequence[tuple[str, torch.Tensor]]
@@ -72,6 +72,9 @@ class EngineRotation:
         self.members: list[WeightUpdateEngine] = []
         self.pushed: str | None = None
         self.rebuilds = 0
+        self.stalls = 0
+        """Pushes abandoned because they stalled (each one retried on a rebuilt group)."""
+        self._flush_refused_before = 0  # refused by the pushers of earlier groups
 
     @classmethod
     async def start(cls, engines: Sequence[WeightUpdateEngine], connect: Connect,
@@ -98,8 +101,9 @@ class EngineRotation:
         return stats
 
     async def push_once(self, weights: WeightSource, weight_version: str | int) -> PushStats | None:
-        """One attempt. None: it failed because an engine failed or restarted, and the group was rebuilt over the
-        engines that answer, so the caller should send the weights again. Raises when no engine is to blame."""
+        """One attempt. None: it failed because an engine failed or restarted, or it stalled (``PushStalledError``),
+        and the group was rebuilt over the engines that answer, so the caller should send the weights again. Raises
+        when no engine is to blame."""
         source = weights() if callable(weights) else weights
         try:
             await self._admit_returned()
@@ -113,8 +117,12 @@ class EngineRotation:
             failure = str(exc)
             alive = await self._answering(self.members)  # waits for one to come back if none answers
             restarted = await self._restarted(alive)
-            if len(alive) == len(self.members) and not restarted:
+            stalled = isinstance(exc, PushStalledError)
+            if len(alive) == len(self.members) and not restarted and not stalled:
                 raise  # every engine answers as it did: not an engine fault, and nothing to route around
+            # A stall left the group out of step (a broadcast may be half-way); the push is dropped and made again
+            # on a new group, once: a second stall is raised by ``push``.
+            self.stalls += stalled
         else:
             self.pushed = str(weight_version)
             return stats
@@ -127,6 +135,12 @@ class EngineRotation:
                     ", ".join(e.name for e in restarted) or "none", len(alive))
         await self._rebuild(alive)
         return None
+
+    @property
+    def flush_refused(self) -> int:
+        """Engine prefix-cache flushes refused over every push of this run's trainer process."""
+        current = self.pusher.flush_refused if self.pusher is not None else 0
+        return self._flush_refused_before + current
 
     def pack(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[PackedBucket]:
         """The weights packed for the current group's wire dtype, to push later (``WeightPusher.pack``)."""
@@ -141,6 +155,7 @@ class EngineRotation:
 
     async def close(self) -> None:
         if self.pusher is not None:
+            self._flush_refused_before += self.pusher.flush_refused
             try:
                 await self.pusher.close()
             except SyncError as exc:
