@@ -153,6 +153,10 @@ class EngineConfig(_Strict):
     [--enable-return-routed-experts] LAUNCH_ARGS`; any server with SGLang's command line and protocol may stand in."""
     launch_args: list[str] = []
     """Further server flags, e.g. ["--tp-size", "8", "--mem-fraction-static", "0.7"]."""
+    python: str | None = None
+    """launch = true: the interpreter that runs the server (`PYTHON -m launch_module ...`): a path, or a command on the
+    engine node's PATH, e.g. the python of the virtual environment SGLang is installed in (SGLang pins its own torch
+    and kernels, so it usually lives apart from sluice). None: sluice's own interpreter."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the CPU engine (bfloat16 reproduces the rollout/train mismatch R3 removes)."""
     max_batch: int = Field(32, ge=1, le=4096)
@@ -336,6 +340,9 @@ class SluiceConfig(_Strict):
             problems.append("engine.urls is only read with engine.type = 'sglang'; remove it or switch the type")
         if self.engine.type == "cpu" and self.engine.launch:
             problems.append("engine.launch is for engine.type = 'sglang' (CPU engines are always started by sluice)")
+        if self.engine.python is not None and not self.engine.launch:
+            problems.append("engine.python names the interpreter of servers sluice starts (engine.launch = true); "
+                            "remove it, or set engine.launch = true")
         if self.trainer.r3 and not self.producer.return_routed_experts:
             problems.append("trainer.r3 replays routing the engines record; set producer.return_routed_experts = "
                             "true, or trainer.r3 = false")

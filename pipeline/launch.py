@@ -267,8 +267,10 @@ def _sglang_spec(cfg: SluiceConfig, i: int, model_dir: Path, run_dir: Path, hold
     server = ["--model-path", str(model_dir.resolve()), "--weight-version", "0"]
     if cfg.producer.return_routed_experts:
         server.append("--enable-return-routed-experts")
-    args = ["--module", cfg.engine.launch_module, "--host", "{node_ip}", "--port", "0", "--port-file", str(port_file),
-            "--", *server, *cfg.engine.launch_args]
+    args = ["--module", cfg.engine.launch_module, "--host", "{node_ip}", "--port", "0", "--port-file", str(port_file)]
+    if cfg.engine.python is not None:
+        args += ["--python", cfg.engine.python]
+    args += ["--", *server, *cfg.engine.launch_args]
     return _spec(cfg, "engine", f"engine-{i}", args, port_file=port_file, module="pipeline.producers.sglang_launch")
 
 

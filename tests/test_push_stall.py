@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 import torch
 
+from pipeline.queue.redis_server import free_port
 from pipeline.sync.base import EngineReply
 from pipeline.sync.pusher import PushStalledError, WeightPusher
 from pipeline.sync.rotation import EngineRotation
 from pipeline.sync.weights import init_weight_group
-from pipeline.queue.redis_server import free_port
 
 
 class _StallingEngine:

@@ -328,6 +328,9 @@ class FlakyServer:
     hits: dict[str, int] = field(default_factory=dict)
     answer: Any = None
     server_info: dict[str, Any] | None = None
+    prefix_cache: bool | None = False
+    """What /get_model_info says of a prefix cache (None: nothing). The scripted answers span a push from version 2
+    to 3 however they are keyed, which a keyed client would take for a request the push overtook, every time."""
     url: str = ""
     _runner: web.AppRunner | None = None
 
@@ -370,7 +373,8 @@ class FlakyServer:
         return web.Response(status=200 if self.healthy else 503)
 
     async def _info(self, request: web.Request) -> web.Response:
-        return web.json_response({"model_path": "m", "weight_version": "3", "num_moe_layers": 2, "topk": 2})
+        info = {"model_path": "m", "weight_version": "3", "num_moe_layers": 2, "topk": 2}
+        return web.json_response(info if self.prefix_cache is None else {**info, "prefix_cache": self.prefix_cache})
 
     async def _server_info(self, request: web.Request) -> web.Response:
         self._hit("server_info")
@@ -416,6 +420,7 @@ def test_get_load_reads_sglangs_v1_loads() -> None:
 
 def test_prefix_cache_follows_sglangs_server_info_and_defaults_to_flushing() -> None:
     async def test(server: FlakyServer) -> None:
+        server.prefix_cache = None
         async with SGLangClient(server.url, retry=FAST) as client:
             said = [await client.prefix_cache()]  # /model_info says nothing, /get_server_info neither: flush
             server.server_info = {"disable_radix_cache": False}

@@ -225,6 +225,35 @@ def test_policy_gradient_raises_high_advantage_responses(tiny: tuple[Path, Model
         trainer.load_state_dict({"epoch": 1})
 
 
+def test_lag0_mismatch_covers_exactly_the_tokens_of_the_trained_version(tiny: tuple[Path, ModelConfig]) -> None:
+    """``mismatch_k3_lag0`` measures only the tokens sampled by the weights being trained: their behaviour log-probs
+    here are the model's own, so it is ~0, while the other version's tokens (given wrong log-probs) raise the overall
+    mismatch; wrong log-probs on the lag-0 tokens raise it too. Unknown version: not measured."""
+    import dataclasses
+
+    folder, model_cfg = tiny
+    trainer = _trainer(folder, model_cfg, TrainStepConfig(r3=False, lr=1e-12), optimizer="sgd")
+    # Without routing, so that no micro-batch split reorders the samples against the log-probs computed for them.
+    groups = [[dataclasses.replace(s, routed_experts=None) for s in g] for g in synthetic_groups(model_cfg, [4, 4], 5)]
+    own = trainer.compute_logprobs(groups, replay=False)
+    flat = [s for g in groups for s in g]
+    fresh = [dataclasses.replace(s, rollout_logprobs=lp.astype(np.float32),
+                                 token_versions=np.full(len(lp), 3, dtype=np.int32)) for s, lp in zip(flat, own)]
+    stale = [dataclasses.replace(s, token_versions=np.full(len(s.response_ids), 2, dtype=np.int32)) for s in flat]
+    mixed = [fresh[:4], stale[4:]]
+
+    trainer.policy_version = 3
+    metrics = trainer.step(mixed)
+    assert metrics["mismatch_k3_lag0"] < 1e-5 and metrics["mismatch_k3"] > 1e-2
+    assert metrics["mismatch_lag0_tokens"] == sum(len(s.response_ids) for s in fresh[:4])
+
+    off = [[dataclasses.replace(s, rollout_logprobs=s.rollout_logprobs - 0.5) for s in fresh[:4]], stale[4:]]
+    assert trainer.step(off)["mismatch_k3_lag0"] > 1e-2
+
+    trainer.policy_version = None
+    assert "mismatch_k3_lag0" not in trainer.step(mixed)
+
+
 def test_refuses_configs_it_cannot_honour(tiny: tuple[Path, ModelConfig]) -> None:
     _, model_cfg = tiny
     parallel = ParallelConfig(device="cpu")

@@ -65,6 +65,8 @@ class Passes:
     def __init__(self, model: torch.nn.Module, model_cfg: ModelConfig, cfg: TrainStepConfig,
                  reference: torch.nn.Module | None) -> None:
         self.model, self.model_cfg, self.cfg = model, model_cfg, cfg
+        self.policy_version: int | None = None
+        """The version of the weights being trained, when the trainer says (for the lag-0 mismatch)."""
         replay_capable = model_cfg.is_moe and bool(getattr(model.config, "moe_enable_routing_replay", False))
         if cfg.r3 and model_cfg.is_moe and not replay_capable:
             raise ConfigError(
@@ -189,6 +191,16 @@ class Passes:
         k3 = kl_penalty(mb.behaviour_logprobs, logprobs.detach().float().cpu(), "k3")
         return float(torch.where(mb.loss_mask, k3, 0.0).sum()), float(mb.loss_mask.sum())
 
+    def _mismatch_lag0(self, proximal: Tensor, mb: TrainBatch, acc: Accumulator) -> None:
+        """The mismatch over the tokens sampled by exactly the weights being trained (``policy_version``): their
+        gap is the engine's numerics alone, so a rise there means an engine computed them from something else, such
+        as a prefix it cached under older weights."""
+        if self.policy_version is None:
+            return
+        k3 = kl_penalty(mb.behaviour_logprobs, proximal.detach().float().cpu(), "k3")
+        fresh = mb.loss_mask & (mb.token_versions == self.policy_version)
+        acc.add(mismatch_lag0_sum=float(torch.where(fresh, k3, 0.0).sum()), mismatch_lag0_tokens=float(fresh.sum()))
+
     def proximal_pass(self, mb: TrainBatch, acc: Accumulator) -> tuple[Tensor, Tensor | None]:
         """(proximal, reference or None) log-probs of ``mb`` (both replayed when R3 applies), plus the
         with/without-replay measurements."""
@@ -196,6 +208,7 @@ class Passes:
         with torch.no_grad():
             proximal, _, used = self.forward(mb, replay=replayed, probe=not replayed)
             self._record_pass(mb, proximal, used, replayed=replayed, acc=acc)
+            self._mismatch_lag0(proximal, mb, acc)
             reference = self._reference_pass(mb, replay=replayed)
             if self.cfg.measure_r3 and self._replay is not None:
                 # Unconditional, so that every EP rank runs the same number of (collective) forwards.

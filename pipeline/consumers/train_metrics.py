@@ -49,6 +49,8 @@ _COUNTS = (
     "mismatch_replay_tokens",
     "mismatch_free_sum",
     "mismatch_free_tokens",
+    "mismatch_lag0_sum",
+    "mismatch_lag0_tokens",
     "builtin_loss_calls",
 )
 _SUMS = _ADDITIVE + tuple(f"w.{k}" for k in _TOKEN_MEANS) + _COUNTS
@@ -158,6 +160,9 @@ def final_metrics(
         "r3/agreement_train": _ratio(sums["agree_train_hits"], sums["agree_train_total"]),
         "r3/mismatch_k3_replay": _ratio(sums["mismatch_replay_sum"], sums["mismatch_replay_tokens"]),
         "r3/mismatch_k3_no_replay": _ratio(sums["mismatch_free_sum"], sums["mismatch_free_tokens"]),
+        # Over the tokens the trained weights sampled themselves: the engine's numerics alone.
+        "mismatch_k3_lag0": _ratio(sums["mismatch_lag0_sum"], sums["mismatch_lag0_tokens"]),
+        "mismatch_lag0_tokens": sums["mismatch_lag0_tokens"] or None,
     }
     out.update({k: v for k, v in derived.items() if v is not None})
     return out

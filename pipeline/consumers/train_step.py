@@ -146,6 +146,16 @@ class TrainStep:
     # ------------------------------------------------------------------------------------------------- public surface
 
     @property
+    def policy_version(self) -> int | None:
+        """The version of the weights about to be trained (set by the trainer before each step), which singles out
+        the lag-0 tokens for ``mismatch_k3_lag0``; None: not measured."""
+        return self.passes.policy_version
+
+    @policy_version.setter
+    def policy_version(self, version: int | None) -> None:
+        self.passes.policy_version = version
+
+    @property
     def optimizer(self) -> Any:
         """What a checkpoint saves beside the model: the torch, master-weight or megatron optimizer."""
         return self.updater.optimizer

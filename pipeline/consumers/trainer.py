@@ -1,7 +1,7 @@
 """The trainer: drains the queue, trains with megatron-core, pushes weights, and commits exactly once.
 
 One process per rank. Rank 0 alone talks to Redis and to the engines; it hands every rank its share of each step's
-prompt groups as msgpack bytes over a gloo group (never pickle). The commit protocol (ARCHITECTURE.md):
+prompt groups as msgpack bytes over a gloo group (never pickle). The commit protocol (docs/architecture.md):
 
 1. entries stay pending in the ``trainer`` group while their effect lives only in memory;
 2. a commit writes the ledger segment, then the checkpoint (model, optimizer, policy version), whose rename is the
@@ -336,6 +336,10 @@ class Trainer:
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         start = time.perf_counter()
+        if hasattr(self.step_fn, "policy_version"):
+            # Only rank 0 follows the pushes (the others never learn a version), so only its share of the batch
+            # is measured for the lag-0 mismatch.
+            self.step_fn.policy_version = self.version if self.rank == 0 else None
         weights = batch.weights()
         # Weights only when a filter reweighted a group, so a step function without the argument still works.
         metrics = dict(self.step_fn.step(batch.groups) if weights is None

@@ -26,6 +26,11 @@ def _last_line(path: Path) -> dict[str, Any]:
     return json.loads(lines[-1]) if lines and lines[-1].strip() else {}
 
 
+def _clients(engine: Any) -> list[Any]:
+    """The engine clients behind a producer's engine (a pool of them, or one)."""
+    return list(getattr(engine, "clients", [engine]))
+
+
 class ProducerReporter:
     """Appends the producer's lines; ``report`` takes one, ``run`` takes one every ``producer_every_s``."""
 
@@ -50,6 +55,8 @@ class ProducerReporter:
                "samples_total": self._base_samples + stats.samples_put,
                "groups_total": self._base_groups + stats.groups_put,
                "samples_per_s": (stats.samples_put - samples_then) / max(now - since, 1e-9),
+               # Requests sent again because a push overtook their prefix-cache key (SGLangClient.key_retries).
+               "engine_key_retries": sum(getattr(c, "key_retries", 0) for c in _clients(self.producer.engine)),
                "policy_version": self.producer.queue.policy_version()}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a") as f:

@@ -14,6 +14,7 @@ import asyncio
 import base64
 import binascii
 import json
+import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -30,6 +31,10 @@ from pipeline.sync.base import EngineReply
 from pipeline.sync.lifecycle import Adoption, adopt_engines
 
 _T = TypeVar("_T")
+log = logging.getLogger(__name__)
+# Attempts of one request whose cache key the engine's version overtook; more than one push in a row would be needed
+# to use them up.
+_KEY_ATTEMPTS = 4
 
 
 class EngineUnavailableError(EngineError):
@@ -194,6 +199,10 @@ class SGLangClient:
         self.retry = retry if retry is not None else Retry()
         self._moe_shape = routed_experts_shape
         self._session: aiohttp.ClientSession | None = None
+        self._keyed: bool | None = None  # whether the engine keeps a prefix cache (asked at the first generation)
+        self._label = ""  # the engine's weight version as last seen: the prefix-cache key of the next request
+        self.key_retries = 0
+        """Requests sent again because the engine prefilled them under another version than their cache key."""
         self.in_flight = 0
         """Generations sent and not yet answered (counted here, client-side, for least-loaded routing)."""
 
@@ -268,32 +277,85 @@ class SGLangClient:
             body["routed_experts_start_len"] = routed_experts_start_len
         if rids is not None:
             body["rid"] = list(rids)
+        self.in_flight += 1  # from the start: least-loaded routing must see this request while it asks anything
+        try:
+            return await self._generate_keyed(prompts, body, sampling_params, return_logprob, return_routed_experts,
+                                              routed_experts_start_len)
+        finally:
+            self.in_flight -= 1
+
+    async def _generate_keyed(self, prompts: Sequence[Sequence[int]], body: dict[str, Any],
+                              sampling_params: Mapping[str, Any], return_logprob: bool, return_routed_experts: bool,
+                              routed_experts_start_len: int) -> list[GenerateResult]:
         shape = await self.routed_experts_shape() if return_routed_experts else None
-        answer = await self.generate_raw(body)
-        if not isinstance(answer, (list, Mapping)):  # an HTML error page from a proxy, say
-            raise EngineError(f"engine {self.name} answered /generate with {_short(answer)[:200]!r}, not a JSON "
-                              "object; is it an SGLang-protocol engine?")
-        items = answer if isinstance(answer, list) else [answer]
         n = int(sampling_params.get("n", 1))
-        if len(items) != len(prompts) * n:
-            raise EngineError(
-                f"engine {self.name} answered {len(items)} sequences for {len(prompts)} prompts x n={n}; "
-                "is it an SGLang-protocol engine?"
-            )
-        return [
-            self._decode(
-                item, len(prompts[i // n]), shape, routed_experts_start_len, return_logprob, return_routed_experts
-            )
-            for i, item in enumerate(items)
-        ]
+        keyed = await self._keys_prefix_cache()
+        for attempt in range(_KEY_ATTEMPTS):
+            if keyed:
+                body["extra_key"] = self._cache_key()
+            answer = await self._post_generate(body)
+            if not isinstance(answer, (list, Mapping)):  # an HTML error page from a proxy, say
+                raise EngineError(f"engine {self.name} answered /generate with {_short(answer)[:200]!r}, not a JSON "
+                                  "object; is it an SGLang-protocol engine?")
+            items = answer if isinstance(answer, list) else [answer]
+            if len(items) != len(prompts) * n:
+                raise EngineError(
+                    f"engine {self.name} answered {len(items)} sequences for {len(prompts)} prompts x n={n}; "
+                    "is it an SGLang-protocol engine?"
+                )
+            results = [
+                self._decode(
+                    item, len(prompts[i // n]), shape, routed_experts_start_len, return_logprob, return_routed_experts
+                )
+                for i, item in enumerate(items)
+            ]
+            if not keyed or self._keyed_right(body["extra_key"], results):
+                return results
+            self.key_retries += 1
+            if attempt + 1 < _KEY_ATTEMPTS:
+                log.debug("engine %s started a request keyed %s under version %s; sending it again",
+                          self.name, body["extra_key"], self._label)
+        raise EngineError(f"engine {self.name} changed weights under {_KEY_ATTEMPTS} attempts of one request in a row "
+                          "(each was prefilled under another version than its cache key); are pushes back to back?")
+
+    def _cache_key(self) -> str:
+        """The request's prefix-cache namespace (SGLang's ``extra_key``): the engine's weight version as last seen,
+        so a request shares cached prefixes only with requests made under the same weights."""
+        return f"sluice-w{self._label}"
+
+    def _keyed_right(self, key: str, results: Sequence[GenerateResult]) -> bool:
+        """Whether every sequence was prefilled under the version its key names (its first token's version). A
+        request keyed to an older version that the engine ran after a push could have reused that version's
+        cached prefix under the new label: it is sent again, keyed to the version the engine now has. A sequence
+        that started under its key and spanned a push is right: it was in flight (docs/weight-push.md)."""
+        newest = self._label
+        right = True
+        for result in results:
+            if result.weight_version:
+                newest = result.weight_version  # the engine's version when it answered: never older than a span
+            if result.weight_versions and key != f"sluice-w{result.weight_versions[0].version}":
+                right = False
+        self._label = newest
+        return right
+
+    async def _keys_prefix_cache(self) -> bool:
+        """Whether requests need a version key: the engine keeps a prefix cache (asked once, with its version)."""
+        if self._keyed is None:
+            info = await self.model_info()
+            self._label = info.weight_version
+            self._keyed = await self.prefix_cache()
+        return self._keyed
 
     async def generate_raw(self, body: Mapping[str, Any]) -> Any:
         """POST ``body`` to ``/generate`` as is and return the decoded JSON (retried per ``self.retry``)."""
         self.in_flight += 1
         try:
-            response = await self.retry.call(lambda: self._request("POST", "/generate", body, self.timeout))
+            return await self._post_generate(body)
         finally:
             self.in_flight -= 1
+
+    async def _post_generate(self, body: Mapping[str, Any]) -> Any:
+        response = await self.retry.call(lambda: self._request("POST", "/generate", body, self.timeout))
         return response.body
 
     def _decode(

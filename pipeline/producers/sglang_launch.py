@@ -9,6 +9,9 @@ reach SGLang itself). Between the close and SGLang's bind another process could 
 start and the supervisor restarts the engine, which picks again. A restart that found its port once keeps it
 (``--port`` is then that number), so the URL producers and the trainer know stays valid.
 
+``--python`` (``engine.python``) names the interpreter that runs the server, usually the python of SGLang's own
+virtual environment: SGLang pins its own torch and CUDA kernels, which rarely match sluice's.
+
 Everything after ``--`` is passed to the server as is: the launch command sluice builds (``--model-path``,
 ``--weight-version``, ``--enable-return-routed-experts``) followed by the recipe's ``engine.launch_args``.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import socket
 import sys
 from pathlib import Path
@@ -39,14 +43,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", required=True)
     parser.add_argument("--port", type=int, default=0, help="0: pick a free one on --host")
     parser.add_argument("--port-file", required=True)
+    parser.add_argument("--python", default=sys.executable,
+                        help="the interpreter that runs --module (a path or a command on PATH); default: this one")
     args = parser.parse_args(ours)
+    python = shutil.which(args.python)
+    if python is None:
+        sys.exit(f"sglang_launch: engine.python = {args.python!r} is neither an executable file nor a command on "
+                 "this node's PATH; name the python of the environment SGLang is installed in")
     port = args.port or pick_port(args.host)
     partial = Path(args.port_file).with_suffix(".tmp")
     partial.write_text(str(port))
     partial.rename(args.port_file)
-    cmd = [sys.executable, "-m", args.module, "--host", args.host, "--port", str(port), *server_args]
+    cmd = [python, "-m", args.module, "--host", args.host, "--port", str(port), *server_args]
     print(f"sglang_launch: exec {' '.join(cmd)}", flush=True)
-    os.execv(sys.executable, cmd)
+    os.execv(python, cmd)
 
 
 if __name__ == "__main__":

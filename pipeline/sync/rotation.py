@@ -163,16 +163,25 @@ class EngineRotation:
             self.pusher = None
 
     async def _answering(self, engines: Sequence[WeightUpdateEngine]) -> list[WeightUpdateEngine]:
-        deadline = time.monotonic() + self.wait_s
+        start = time.monotonic()
+        pause, told = 0.5, start
         while True:
             ok = await asyncio.gather(*(_healthy(e) for e in engines))
             alive = [e for e, good in zip(engines, ok) if good]
             if alive:
                 return alive
-            if time.monotonic() >= deadline:
+            waited = time.monotonic() - start
+            if waited >= self.wait_s:
                 raise SyncError(f"no engine answers ({', '.join(e.name for e in engines)}) after {self.wait_s:.0f}s; "
                                 "the weight push has nowhere to go")
-            await asyncio.sleep(0.5)
+            if time.monotonic() - told >= 10.0:
+                told = time.monotonic()
+                log.warning("no engine answers /health (%s) for %.0fs; the push waits up to %.0fs. A server sluice "
+                            "started is restarted by the launcher; one given in engine.urls must be restarted by "
+                            "whoever runs it (an SGLang scheduler paused past --watchdog-timeout kills itself).",
+                            ", ".join(e.name for e in engines), waited, self.wait_s)
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, 5.0)
 
     async def _admit_returned(self) -> None:
         if self._discover is not None:
