@@ -28,6 +28,10 @@ def parse_args(argv: list[str] | None = None) -> CpuEngineConfig:
     parser.add_argument("--weight-version", dest="initial_weight_version", default="0")
     parser.add_argument("--hold-until-update", action="store_true",
                         help="serve no generation until the first complete weight update")
+    parser.add_argument("--disable-radix-cache", action="store_true",
+                        help="keep no prefix cache (every prompt is computed whole)")
+    parser.add_argument("--prefix-cache-mb", type=float, default=256.0,
+                        help="memory the prefix cache may hold; least recently used prompts are dropped beyond it")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--patch", default=None,
                         help="package.module:function that adds user modules to the model (model.engine_patch)")

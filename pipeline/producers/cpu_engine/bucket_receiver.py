@@ -80,10 +80,11 @@ class BucketReceiver:
         refused = await self._may_load(body, index, serial)
         if refused is not None:
             return False, refused, 500
-        if body.weight_version is not None:
-            # Already in the model: the load only moves the label. An unlabelled bucket has nothing to load, and
-            # queueing nothing would put a hop to the scheduler thread and back between the push's last byte and
-            # /end_weight_update's answer (about half a millisecond of a 25 ms push here).
+        if body.weight_version is not None or body.flush_cache:
+            # Already in the model: the load only moves the label (and flushes the prefix cache if asked). An
+            # unlabelled bucket that asks for no flush has nothing to load, and queueing nothing would put a hop to
+            # the scheduler thread and back between the push's last byte and /end_weight_update's answer (about half
+            # a millisecond of a 25 ms push here).
             self._queue_load([], body)
         return True, f"received {len(tensors)} tensors; they load before /end_weight_update answers", None
 
@@ -165,6 +166,8 @@ class BucketReceiver:
         # Loads run in arrival order: the last bucket's, which carries the label, knows whether any before it failed.
         if body.weight_version is not None and not self.engine.load_failed_in_window:
             self.engine.generator.version = body.weight_version
+        if body.flush_cache:
+            self.engine.flush_after_update()
 
 
 async def _first(wanted: asyncio.Future[Any], other: asyncio.Future[Any]) -> bool:

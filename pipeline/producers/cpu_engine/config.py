@@ -44,6 +44,11 @@ class CpuEngineConfig(BaseModel):
     hold_until_update: bool = False
     """Hold generation (requests queue, nothing is sampled) until the first complete weight update: an engine that
     restarted, or that a resumed run started, would otherwise serve its start-up weights, not the trainer's."""
+    disable_radix_cache: bool = False
+    """Keep no prefix cache (SGLang's --disable-radix-cache): every prompt is computed whole, ``/model_info`` says
+    ``"prefix_cache": false``, and a pusher then skips ``/flush_cache``."""
+    prefix_cache_mb: float = Field(default=256.0, gt=0)
+    """Most memory the prefix cache's keys, values and routing rows take; the least recently used prompts go first."""
     seed: int = Field(default=0, ge=0)
     """Seeds the process RNG that requests without a sampling_seed draw from (batched, so their draws depend on
     what they are batched with; a request that must repeat itself passes sampling_seed)."""

@@ -7,6 +7,10 @@ become padding for every row are trimmed. Padding never reaches a real token: th
 position ids count real tokens only, so a sequence's numbers do not depend on what it is batched with (up to float
 rounding of differently shaped matmuls).
 
+Prompts whose first positions are in the prefix cache (``prefix_cache.py``) are prefilled apart, in a forward that
+computes only the positions not cached, over the cached keys and values; everything else about them is as for any
+sequence. Prompts not cached are prefilled exactly as without a cache, and their KV is then kept in it.
+
 Routing (the experts each fed token was sent to) costs no tensor op per decode step: the recorder keeps the routers'
 outputs, and they are moved into a ``RoutingBuffer`` shaped like the cache only when rows change (or every
 ``ROUTING_FLUSH_STEPS`` steps); a sequence gets its rows when it leaves the batch.
@@ -24,6 +28,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from pipeline.producers.cpu_engine.prefix_cache import CacheHit, Namespace, PrefixCache, row_kv, stack_hits
 from pipeline.producers.cpu_engine.routing import RoutingBuffer, RoutingRecorder
 from pipeline.producers.cpu_engine.sampling import LogprobMode, SamplingSettings, select_tokens, token_logprobs
 
@@ -62,6 +67,13 @@ class Sequence:
     input_logprob_start: int = -1
     rid: str = ""
     stop_strings: StopStrings | None = None
+    namespace: Namespace = ("", "")
+    """The request's ``(cache_salt, extra_key)``: only entries of the prefix cache made under it are reused."""
+    shares_prefill: bool = False
+    """One of the ``n > 1`` samples of one prompt, which SGLang prefills once, caches, and then serves from that
+    cache: the samples report the prompt as cached (this engine shares the prefill row, to the same effect)."""
+    cached_tokens: int = 0
+    """Prompt positions whose KV came from the prefix cache (``meta_info.cached_tokens``)."""
     on_finish: Callable[[Sequence], None] | None = None
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
@@ -107,8 +119,10 @@ class BatchGenerator:
         record_routing: bool,
         max_context_len: int,
         version: str,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.model = model
+        self.prefix_cache = prefix_cache if prefix_cache is not None and prefix_cache.enabled else None
         self.eos_ids = eos_ids
         self.pad_id = pad_id
         self.logprob_mode = logprob_mode
@@ -202,21 +216,42 @@ class BatchGenerator:
         seq.finish_reason = self._finish_reason(seq, token)
         return token
 
-    def _input_logprobs(self, seq: Sequence, logits: torch.Tensor) -> list[float | None]:
-        """Logprobs of prompt tokens 1.. from the prefill logits of this row's real positions (token 0 has none)."""
-        prompt = torch.tensor(seq.prompt_ids[1:], dtype=torch.long)
+    def _input_logprobs(self, seq: Sequence, logits: torch.Tensor, first: int = 0) -> list[float | None]:
+        """Logprobs of prompt tokens ``first + 1``.. from the prefill logits of this row's positions ``first``.. (token
+        0 has none; the ``first`` positions before came from the prefix cache and have none either)."""
+        prompt = torch.tensor(seq.prompt_ids[first + 1 :], dtype=torch.long)
         values = token_logprobs(logits[:-1], prompt, seq.settings.temperature, self.logprob_mode)
-        return [None, *values.tolist()]
+        return [None] * (first + 1) + values.tolist()
+
+    def _reusable(self, seq: Sequence) -> int:
+        """How many prompt positions may come from the cache: never the last (it samples the first token), and none
+        from which input logprobs are wanted (their logits must be computed)."""
+        limit = len(seq.prompt_ids) - 1
+        if seq.input_logprob_start >= 0:
+            limit = min(limit, seq.input_logprob_start - 1)
+        return max(limit, 0)
 
     def admit(self, seqs: list[Sequence]) -> list[Sequence]:
-        """Prefill ``seqs`` in one forward, sample their first token and add the unfinished ones to the batch.
+        """Prefill ``seqs``, sample their first token and add the unfinished ones to the batch; returns the sequences
+        that finished on their first token. Those whose prompt begins with a cached prefix of their namespace are
+        prefilled apart, from the cache; the others as without a cache, and then cached."""
+        self._flush_routing()  # the prefill's routing is taken alone, and the merge needs the buffer up to date
+        cache = self.prefix_cache
+        hits = [None if cache is None else cache.lookup(s.namespace, s.prompt_ids, self._reusable(s)) for s in seqs]
+        fresh = [s for s, h in zip(seqs, hits, strict=True) if h is None]
+        finished = self._prefill(fresh) if fresh else []
+        cached = [(s, h) for s, h in zip(seqs, hits, strict=True) if h is not None]
+        if cached:
+            finished += self._prefill_cached([s for s, _ in cached], [h for _, h in cached])  # type: ignore[misc]
+        return finished
+
+    def _prefill(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Prefill ``seqs`` in one forward from their first token.
 
         Sequences with the same prompt (the ``n`` samples of one request, a GRPO group) share one prefill row: the
         forward sees each distinct prompt once, and its logits, cache and routing rows are copied to every sequence
-        of that prompt, exactly as if each had been prefilled alone. Returns the sequences that finished on their
-        first token.
+        of that prompt, exactly as if each had been prefilled alone.
         """
-        self._flush_routing()  # the prefill's routing is taken alone, and the merge needs the buffer up to date
         rows: dict[tuple[int, ...], int] = {}
         source = [rows.setdefault(tuple(s.prompt_ids), len(rows)) for s in seqs]
         prompts = list(rows)
@@ -236,10 +271,19 @@ class BatchGenerator:
         next_tokens = self._emit_all(seqs, logits[:, -1])
         for i, seq in enumerate(seqs):
             offset = width - lengths[source[i]]
+            if seq.shares_prefill:
+                seq.cached_tokens = self._reusable(seq)
             if seq.input_logprob_start >= 0:
                 seq.input_logprobs = self._input_logprobs(seq, logits[i, offset:])
             if seq.finished and routing is not None:
                 seq.routing = routing[i, offset:].clone()  # the others' rows travel in the batch's buffer
+        if self.prefix_cache is not None:
+            for row, prompt in enumerate(prompts):
+                columns = torch.arange(width - lengths[row], width)
+                kv = row_kv(fwd.kv, row, columns)
+                rows_routing = None if fwd.routing is None else fwd.routing[row, columns].clone()
+                for namespace in {s.namespace for s, r in zip(seqs, source, strict=True) if r == row}:
+                    self.prefix_cache.insert(namespace, prompt, kv, rows_routing)
         alive = [i for i, s in enumerate(seqs) if not s.finished]
         if alive:
             index = torch.tensor(alive, dtype=torch.long)
@@ -250,6 +294,55 @@ class BatchGenerator:
                 kv,
                 mask[row],
                 torch.tensor([lengths[source[i]] for i in alive]),
+                torch.tensor([next_tokens[i] for i in alive]),
+                None if routing is None else routing[index],
+            )
+        return [s for s in seqs if s.finished]
+
+    def _prefill_cached(self, seqs: list[Sequence], hits: list[CacheHit]) -> list[Sequence]:
+        """Prefill ``seqs`` in one forward over their cached prefixes: only the positions after each hit are
+        computed, attending to the cached keys and values (computed under whichever weights were loaded when they
+        were cached). Sequences with the same prompt and the same hit share a row, as in ``_prefill``."""
+        assert self.prefix_cache is not None
+        rows: dict[tuple[int, int, tuple[int, ...]], int] = {}
+        source = [rows.setdefault((id(h.entry), h.length, tuple(s.prompt_ids)), len(rows))
+                  for s, h in zip(seqs, hits, strict=True)]
+        first_of_row = {r: i for i, r in reversed(list(enumerate(source)))}
+        row_hits = [hits[first_of_row[r]] for r in range(len(rows))]
+        prompts = [seqs[first_of_row[r]].prompt_ids for r in range(len(rows))]
+        layout = stack_hits(row_hits, prompts, self.pad_id)
+        new_width = layout.ids.shape[1]
+        keep_all = any(s.input_logprob_start >= 0 for s in seqs)
+        fwd = self._forward(layout.ids, layout.mask, layout.pos, layout.past, keep_all, take_routing=True)
+        expand = torch.tensor(source, dtype=torch.long)
+        logits = fwd.logits[expand]
+        full_routing = None  # [rows, past + new, layers, topk], aligned with the mask
+        if fwd.routing is not None and layout.past_routing is not None:
+            full_routing = torch.cat([layout.past_routing, fwd.routing.to(torch.int32)], dim=1)
+        routing = None if full_routing is None else full_routing[expand]
+        next_tokens = self._emit_all(seqs, logits[:, -1])
+        real = layout.mask.bool()
+        for i, (seq, hit) in enumerate(zip(seqs, hits, strict=True)):
+            seq.cached_tokens = hit.length
+            if seq.input_logprob_start >= 0:
+                computed = len(seq.prompt_ids) - hit.length
+                seq.input_logprobs = self._input_logprobs(seq, logits[i, new_width - computed :], hit.length)
+            if seq.finished and routing is not None:
+                seq.routing = routing[i][real[source[i]]].clone()
+        for row, (hit, prompt) in enumerate(zip(row_hits, prompts, strict=True)):
+            if hit.entry.tokens != tuple(prompt):  # a longer prompt over a cached one: cached too, old KV and all
+                columns = real[row].nonzero().squeeze(-1)
+                rows_routing = None if full_routing is None else full_routing[row, columns].clone()
+                self.prefix_cache.insert(hit.entry.namespace, prompt, row_kv(fwd.kv, row, columns), rows_routing)
+        alive = [i for i, s in enumerate(seqs) if not s.finished]
+        if alive:
+            index = torch.tensor(alive, dtype=torch.long)
+            row = expand[index]
+            self._merge(
+                [seqs[i] for i in alive],
+                [(k[row], v[row]) for k, v in fwd.kv],
+                layout.mask[row],
+                torch.tensor([len(seqs[i].prompt_ids) for i in alive]),
                 torch.tensor([next_tokens[i] for i in alive]),
                 None if routing is None else routing[index],
             )

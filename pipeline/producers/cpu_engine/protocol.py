@@ -12,6 +12,8 @@ Conventions this engine fixes, and that the client and trainer rely on:
 - ``weight_versions`` spans cover the output tokens, ``end`` EXCLUSIVE: ``output_ids[start:end]`` were produced by
   ``version``. Spans are contiguous, non-empty, in order, and the last one ends at ``completion_tokens``.
 - ``output_token_logprobs[i] = [logprob, output_ids[i], None]``. See ``sampling.py`` for the distribution.
+- ``extra_key`` (and ``cache_salt``), one string or one per prompt, name the prefix-cache namespace a prompt may
+  reuse and fill (``prefix_cache.py``); ``meta_info.cached_tokens`` counts the prompt positions reused.
 - ``routed_experts`` is base64 of little-endian int32, C-order ``[P + R - 1 - start_len, num_moe_layers, topk]``:
   one row per token that went through the model (all prompt tokens, then every output token except the last).
 """
@@ -100,6 +102,10 @@ class GenerateRequest(BaseModel):
     """Skip this many leading rows of routed_experts."""
     rid: str | list[str] | None = None
     """Request id, echoed as meta_info.id."""
+    extra_key: str | list[str] | None = None
+    """Prefix-cache namespace, as SGLang's: cached prefixes are shared only between requests with the same key."""
+    cache_salt: str | list[str] | None = None
+    """A second part of the namespace (SGLang's ``cache_salt``); the pair must match for a prefix to be shared."""
     stream: bool = False
     """Streaming is not supported by the CPU engine."""
 
@@ -127,6 +133,8 @@ class PromptSpec:
     return_routed_experts: bool
     routed_experts_start_len: int
     rid: str
+    namespace: tuple[str, str] = ("", "")
+    """``(cache_salt, extra_key)``."""
 
 
 def _per_prompt(value: Any, count: int, name: str) -> list[Any]:
@@ -153,13 +161,16 @@ def split_prompts(req: GenerateRequest, prompts: list[list[int]], rid_default: s
     lp_start = _per_prompt(req.logprob_start_len, count, "logprob_start_len")
     want_re = _per_prompt(req.return_routed_experts, count, "return_routed_experts")
     re_start = _per_prompt(req.routed_experts_start_len, count, "routed_experts_start_len")
+    salts = _per_prompt(req.cache_salt or "", count, "cache_salt")
+    keys = _per_prompt(req.extra_key or "", count, "extra_key")
     specs = []
     for i, ids in enumerate(prompts):
         if not ids:
             raise EngineError(f"prompt {i} is empty; every prompt needs at least one token")
         specs.append(
             PromptSpec(
-                ids, params[i], bool(want_lp[i]), int(lp_start[i]), bool(want_re[i]), int(re_start[i]), str(rids[i])
+                ids, params[i], bool(want_lp[i]), int(lp_start[i]), bool(want_re[i]), int(re_start[i]), str(rids[i]),
+                (str(salts[i] or ""), str(keys[i] or "")),
             )
         )
     return specs
@@ -178,6 +189,7 @@ class SequenceResult:
     routed_experts: np.ndarray | None = None
     input_logprobs: list[float | None] | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    cached_tokens: int = 0
 
 
 def version_spans(token_versions: list[str]) -> list[dict[str, Any]]:
@@ -203,7 +215,7 @@ def build_response(spec: PromptSpec, result: SequenceResult, text: str) -> dict[
         "finish_reason": result.finish_reason,
         "prompt_tokens": len(result.prompt_ids),
         "completion_tokens": len(result.output_ids),
-        "cached_tokens": 0,
+        "cached_tokens": result.cached_tokens,
         "weight_version": result.current_version,
         "weight_versions": version_spans(result.token_versions),
         **result.timings,

@@ -53,6 +53,7 @@ class Scheduler:
         self._running = 0
         self._holds = 0  # hold_passes blocks in progress: no forward pass may start
         self._in_pass = False  # the loop is in an iteration that may run a forward pass
+        self._admitting = 0  # taken off the queue by this iteration, admitted after its control actions
         self._thread = threading.Thread(target=self._loop, name="sluice-cpu-engine-scheduler", daemon=True)
 
     def start(self) -> None:
@@ -137,6 +138,13 @@ class Scheduler:
             gen.tokens_generated,
         )
 
+    def pending_in_loop(self) -> tuple[int, int]:
+        """(waiting, running) sequences, counting those this iteration is about to admit as waiting; only from an
+        action run by ``call`` (the running ones are the generator's, which only the loop thread may read)."""
+        with self._cond:
+            waiting = len(self._waiting) + self._admitting
+        return waiting, len(self.generator.rows)
+
     def abort_waiting(self, predicate: Callable[[Sequence], bool], message: str) -> list[Sequence]:
         """Finish queued (not yet started) sequences that match ``predicate`` with reason ``abort``."""
         with self._cond:
@@ -164,11 +172,13 @@ class Scheduler:
                 while self._waiting and self._running + len(admit) < self.max_batch:
                     admit.append(self._waiting.popleft())
             self._in_pass = generate
+            self._admitting = len(admit)
             return actions, admit, generate, self._stopped
 
     def _end_pass(self) -> None:
         with self._cond:
             self._in_pass = False
+            self._admitting = 0
             self._cond.notify_all()
 
     def _loop(self) -> None:

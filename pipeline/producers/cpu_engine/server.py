@@ -2,7 +2,8 @@
 
 Endpoints (bodies and answers in SGLang's field names; see ``protocol.py`` for ``/generate``):
 
-- ``POST /generate``
+- ``POST /generate``; it waits while generation is paused, then holds the model-update lock as a reader until it
+  answers (``update_lock.py``), and reuses cached prompt prefixes of its ``extra_key`` (``prefix_cache.py``).
 - ``POST /abort_request`` ``{rid, abort_all}``.
 - The weight endpoints (joining the weight group, updates from the group or from disk, setting the weight version,
   pausing and continuing generation, ``/flush_cache``, ``/weight_group_probe``): see ``weight_routes.py``.
@@ -13,7 +14,10 @@ Endpoints (bodies and answers in SGLang's field names; see ``protocol.py`` for `
   ``dp_rank``, ``num_running_reqs``, ``num_waiting_reqs``, ``num_total_reqs``, ``num_used_tokens`` and
   ``max_running_requests``, plus the CPU engine's own ``paused``, ``forward_passes``, ``tokens_generated``,
   ``weight_bytes_received`` and ``weight_bytes_received_in_place`` (the part of it received straight into the model;
-  counters since start). A client picking the least-loaded engine compares ``num_total_reqs``.
+  counters since start), and the prefix cache's ``prefix_cache_entries``, ``prefix_cache_bytes``,
+  ``prefix_cache_hits`` and ``cached_tokens`` (since start), and the model-update lock's
+  ``model_update_readers`` (generations holding it) and ``model_update_writers_waiting``. A client picking the
+  least-loaded engine compares ``num_total_reqs``.
 - ``GET /get_load``: the same numbers as one flat object (the older name, kept for scripts and tests that read it).
 
 ``/abort_request`` and every weight endpoint answer ``{"success": bool, "message": str}``.
@@ -43,6 +47,7 @@ from pipeline.errors import EngineError
 from pipeline.producers.cpu_engine.config import CpuEngineConfig
 from pipeline.producers.cpu_engine.generator import BatchGenerator, Sequence, StopStrings
 from pipeline.producers.cpu_engine.http_io import json_body, reply
+from pipeline.producers.cpu_engine.prefix_cache import PrefixCache
 from pipeline.producers.cpu_engine.protocol import (
     GenerateRequest,
     PromptSpec,
@@ -53,6 +58,7 @@ from pipeline.producers.cpu_engine.protocol import (
 from pipeline.producers.cpu_engine.sampling import SamplingSettings
 from pipeline.producers.cpu_engine.scheduler import Scheduler
 from pipeline.producers.cpu_engine.tp_group import TpWeightGroup
+from pipeline.producers.cpu_engine.update_lock import ModelUpdateLock, PauseGate
 from pipeline.producers.cpu_engine.update_turns import UpdateTurns
 from pipeline.producers.cpu_engine.weight_loader import WeightLoader
 from pipeline.producers.cpu_engine.weight_routes import WeightRoutes
@@ -136,6 +142,8 @@ class Engine:
         self.vocab_size = int(config.vocab_size)
         self.max_context_len = cfg.max_context_len or int(getattr(config, "max_position_embeddings", 4096))
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.prefix_cache = PrefixCache(int(cfg.prefix_cache_mb * 2**20), enabled=not cfg.disable_radix_cache)
+        """Touched by the scheduler thread only (admissions, and ``/flush_cache`` as a control action)."""
         self.generator = BatchGenerator(
             self.model,
             eos_ids=_eos_ids(self.model, self.tokenizer),
@@ -144,6 +152,7 @@ class Engine:
             record_routing=cfg.enable_return_routed_experts,
             max_context_len=self.max_context_len,
             version=cfg.initial_weight_version,
+            prefix_cache=self.prefix_cache,
         )
         if cfg.enable_return_routed_experts and self.generator.recorder is None:
             log.warning("--enable-return-routed-experts is ignored: the model has no MoE layers")
@@ -157,6 +166,11 @@ class Engine:
         self.pending_loads: list[Future[None]] = []
         """Buckets received and queued for loading between forward passes; ``/end_weight_update`` waits for them."""
         self.update_lock = asyncio.Lock()
+        """Serializes receives on the weight group and whole loads from disk (not SGLang's lock: that is the next)."""
+        self.model_update_lock = ModelUpdateLock()
+        """SGLang's model-update lock: generations read, weight updates that come while not paused write."""
+        self.gate = PauseGate()
+        """SGLang's ``is_pause``; ``set_paused`` keeps it and the scheduler's flag together."""
         self.turns = UpdateTurns()
         """The order of a window's indexed announcements (``ordered_updates``)."""
         self.receiving: set[asyncio.Future[Any]] = set()
@@ -170,10 +184,38 @@ class Engine:
         """The same, per rank the engine holds in the group (``--tp``)."""
         self.held = cfg.hold_until_update
         if self.held:
-            self.scheduler.set_paused(True)
+            self.set_paused(True)
         # Unseeded requests draw from the process RNG, seeded once here: a per-sequence generator for them would
         # force row-by-row sampling, which costs a sixth of a decode step on a small model.
         torch.manual_seed(cfg.seed)
+
+    def set_paused(self, paused: bool) -> None:
+        """Pause generation in place (the scheduler stops between two forward passes, requests keep their place and
+        KV; new ones wait at the gate) or continue it. Call on the event loop."""
+        self.gate.set_paused(paused)
+        self.scheduler.set_paused(paused)
+
+    @property
+    def paused(self) -> bool:
+        """SGLang's ``is_pause``: weight updates run without the writer lock while it is set."""
+        return self.gate.paused
+
+    def flush_prefix_cache(self) -> tuple[bool, str]:
+        """Empty the prefix cache if the engine is fully idle, as SGLang does: nothing waiting, nothing running,
+        nothing paused in place. Run by the scheduler thread (``Scheduler.call``), between forward passes."""
+        waiting, running = self.scheduler.pending_in_loop()
+        if waiting or running:
+            return False, (f"Cache not flushed because there are pending requests. #queue-req: {waiting}, "
+                           f"#running-req: {running}")
+        dropped = self.prefix_cache.clear()
+        return True, f"Cache flushed ({dropped} cached prompts dropped)."
+
+    def flush_after_update(self) -> None:
+        """The flush a weight update asks for (its ``flush_cache``), from the scheduler thread: done if the engine
+        is idle; otherwise the cache, with the old weights' prefixes, is kept, as SGLang keeps it."""
+        flushed, message = self.flush_prefix_cache()
+        if not flushed:
+            log.info("prefix cache kept after a weight update: %s", message)
 
     @property
     def moe_layers(self) -> int:
@@ -206,7 +248,7 @@ class Engine:
             "max_batch": self.cfg.max_batch,
             "tp_size": self.cfg.tp,
             # A pusher skips /flush_cache (a round trip per push) for an engine that says it has no prefix cache.
-            "prefix_cache": False,
+            "prefix_cache": self.prefix_cache.enabled,
             # A pusher may announce the next bucket before this one is answered: each waits for its bucket_index.
             "ordered_updates": True,
             "weight_groups": {name: [m.rank for m in g.members] for name, g in self.groups.items()},
@@ -261,6 +303,8 @@ class Engine:
             input_logprob_start=spec.logprob_start_len if spec.return_logprob else -1,
             rid=spec.rid,
             stop_strings=StopStrings(strings, self._decode_tail) if (strings := params.stop_strings()) else None,
+            namespace=spec.namespace,
+            shares_prefill=params.n > 1 and self.prefix_cache.enabled,
         )
 
     def _decode_tail(self, ids: list[int]) -> str:
@@ -290,6 +334,7 @@ class Engine:
             routed_experts=routing.numpy() if routing is not None else None,
             input_logprobs=seq.input_logprobs,
             timings=timings,
+            cached_tokens=seq.cached_tokens,
         )
 
     def abort(self, predicate: Callable[[Sequence], bool], message: str) -> int:
@@ -313,6 +358,7 @@ def build_app(engine: Engine) -> web.Application:
     app.router.add_post("/pause_generation", weights.pause)
     app.router.add_post("/continue_generation", weights.resume)
     app.router.add_post("/flush_cache", weights.flush_cache)
+    app.router.add_get("/flush_cache", weights.flush_cache)  # SGLang serves both methods
     app.router.add_post("/weight_group_probe", weights.weight_group_probe)
     app.router.add_post("/abort_request", routes.abort_request)
     app.router.add_get("/model_info", routes.model_info)
@@ -356,16 +402,20 @@ class _Routes:
         except (ValidationError, EngineError, ValueError) as exc:
             return _error(f"invalid /generate request: {exc}")
         self._warn_ignored(req.ignored_fields() + [f for s in specs for f in s.params.ignored_fields()])
-        seqs, owners, done = self._start(specs)
-        try:
-            await done
-        except asyncio.CancelledError:
-            # The client went away: free the rows instead of generating for nobody.
-            for seq in seqs:
-                seq.abort_requested = True
-            wanted = set(map(id, seqs))
-            engine.scheduler.abort_waiting(lambda s: id(s) in wanted, "the client went away")
-            raise
+        # SGLang's order: a paused engine holds new requests here, before they take the reader lock, so that a
+        # weight update that came while paused (and so took no writer lock) never waits for them.
+        await engine.gate.wait_until_continued()
+        async with engine.model_update_lock.reading():
+            seqs, owners, done = self._start(specs)
+            try:
+                await done
+            except asyncio.CancelledError:
+                # The client went away: free the rows instead of generating for nobody.
+                for seq in seqs:
+                    seq.abort_requested = True
+                wanted = set(map(id, seqs))
+                engine.scheduler.abort_waiting(lambda s: id(s) in wanted, "the client went away")
+                raise
         answers = [
             build_response(spec, engine.result_of(seq), engine.text_of(seq))
             for spec, seq in zip(owners, seqs, strict=False)
@@ -436,6 +486,12 @@ class _Routes:
             "weight_bytes_received": self.engine.weight_bytes_received,
             "weight_bytes_received_in_place": self.engine.weights.bytes_in_place,
             "weight_bytes_received_per_tp_rank": list(self.engine.rank_bytes_received),
+            "prefix_cache_entries": len(self.engine.prefix_cache),
+            "prefix_cache_bytes": self.engine.prefix_cache.nbytes,
+            "prefix_cache_hits": self.engine.prefix_cache.hits,
+            "cached_tokens": self.engine.prefix_cache.cached_tokens,
+            "model_update_readers": self.engine.model_update_lock.readers,
+            "model_update_writers_waiting": self.engine.model_update_lock.writers_waiting,
         }
         aggregate = {k: rank[k] for k in ("num_running_reqs", "num_waiting_reqs", "num_total_reqs", "num_used_tokens")}
         return web.json_response({

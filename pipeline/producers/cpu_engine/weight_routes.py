@@ -24,9 +24,17 @@ Endpoints (bodies and answers in SGLang's field names):
 - ``POST /weight_group_probe`` ``{group_name, nbytes, prepare}``: sluice's own, the bare-broadcast reference of
   ``sluice bench sync`` (``tp_group.py``).
 - ``POST /pause_generation`` ``{mode: abort|retract|in_place}`` (retract behaves like in_place: requests keep their
-  KV cache and resume), ``POST /continue_generation``, ``POST /flush_cache``.
+  KV cache and resume), ``POST /continue_generation``.
+- ``POST /flush_cache`` (or GET): empties the prefix cache, only on a fully idle engine (nothing waiting, running or
+  paused in place); otherwise a 400 naming the pending requests, as SGLang answers.
 
 Every endpoint here answers ``{"success": bool, "message": str}``.
+
+SGLang's model-update lock (``update_lock.py``): ``/begin_weight_update``, ``/update_weights_from_distributed``,
+``/end_weight_update`` and ``/update_weights_from_disk`` run without it while generation is paused, and otherwise
+first take it as a writer, waiting for every generation in flight. An announcement with a ``bucket_index``, and an end
+with ``buckets``, may arrive before the window they belong to opens (``begin_window`` pauses and opens it): they look
+at the pause once their turn comes, not as they arrive, or they would wait for generations the pause then freezes.
 
 Pausing and continuing are here because a push depends on them: whether generation is paused decides whether a bucket
 is received in place, and continuing ends a ``--hold-until-update`` hold. What the weight and generation handlers
@@ -38,6 +46,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -89,7 +99,8 @@ class UpdateFromDistributedRequest(BaseModel):
     group_name: str = "weight_update_group"
     """The group the tensors arrive on."""
     flush_cache: bool = True
-    """Accepted for compatibility; the CPU engine keeps no prefix cache."""
+    """Empty the prefix cache once the bucket is loaded, if the engine is idle then (SGLang's rule); a busy engine
+    keeps it. sluice's pusher sends false: its engines are paused in place, never idle."""
     abort_all_requests: bool = False
     """Abort running and waiting requests before loading."""
     weight_version: str | None = None
@@ -134,7 +145,7 @@ class UpdateFromDiskRequest(BaseModel):
     weight_version: str | int | None = None
     """Version to report once these weights are loaded; None keeps the current one."""
     flush_cache: bool = True
-    """Accepted for compatibility; the CPU engine keeps no prefix cache."""
+    """Empty the prefix cache once loaded, if the engine is idle then."""
 
 
 class WeightRoutes:
@@ -177,9 +188,21 @@ class WeightRoutes:
         await _leave(group)
         return reply(True, f"left weight group {name!r}")
 
+    @asynccontextmanager
+    async def _exclusive(self) -> AsyncIterator[None]:
+        """SGLang's rule for a weight update: paused, it runs as it is (the generations in flight are frozen, and
+        new ones wait at the gate); not paused, it first takes the model-update lock as a writer, which waits until
+        every generation in flight has finished and lets no new one start."""
+        if self.engine.paused:
+            yield
+            return
+        async with self.engine.model_update_lock.writing():
+            yield
+
     async def begin_update(self, request: web.Request) -> web.Response:
-        """``POST /begin_weight_update``: open the window in which updates are accepted."""
-        await self._open_window(None)
+        """``POST /begin_weight_update``: open the window in which updates are accepted (under ``_exclusive``)."""
+        async with self._exclusive():
+            await self._open_window(None)
         return reply(True, "weight update window opened")
 
     async def _open_window(self, push_id: str | None) -> None:
@@ -207,10 +230,12 @@ class WeightRoutes:
             if failed is not None:
                 if not self.engine.turns.holds(push):  # another push's window: not this request's to close
                     return reply(False, f"{failed}; weight_version stays {self.engine.generator.version}")
-                await self._close_window()
+                async with self._exclusive():
+                    await self._close_window()
                 return reply(False, f"{failed}; the window is closed, weight_version stays "
                                     f"{self.engine.generator.version}", 500)
-        success, message, status = await self._close_window()
+        async with self._exclusive():
+            success, message, status = await self._close_window()
         if success and body.continue_generation:
             self._continue()
             message = f"{message}; generation continues"
@@ -234,21 +259,25 @@ class WeightRoutes:
     def _release(self) -> None:
         if self.engine.held:
             self.engine.held = False
-            self.engine.scheduler.set_paused(False)
+            self.engine.set_paused(False)
             log.info("first weight update received: generation starts")
 
     async def update_from_distributed(self, request: web.Request) -> web.Response:
         """``POST /update_weights_from_distributed``: receive the announced tensors, then load them between steps.
-        An announcement with a ``bucket_index`` waits for its turn in the window first (``update_turns.py``)."""
+        An announcement with a ``bucket_index`` waits for its turn in the window first (``update_turns.py``). The
+        receive runs under ``_exclusive``, decided as the announcement arrives, or at its turn if it has an index."""
         engine = self.engine
         try:
             body = UpdateFromDistributedRequest.model_validate(await json_body(request))
         except ValidationError as exc:
             return reply(False, f"invalid /update_weights_from_distributed request: {exc}")
+        if body.begin_window and (body.bucket_index != 0 or not body.push_id):
+            return reply(False, "begin_window goes with bucket_index 0 and a push_id")
+        if body.abort_all_requests:
+            # Before the writer lock, as SGLang does: the generations it would wait for end now.
+            await self._abort_all("aborted by a weight update")
         if body.begin_window:
-            if body.bucket_index != 0 or not body.push_id:
-                return reply(False, "begin_window goes with bucket_index 0 and a push_id")
-            engine.scheduler.set_paused(True)  # in place, as /pause_generation {"mode": "in_place"}
+            engine.set_paused(True)  # in place, as /pause_generation {"mode": "in_place"}: no writer lock needed
             await self._open_window(body.push_id)
         elif body.bucket_index is None and not engine.update_window_open:
             # An indexed one may come before the announcement that opens its push's window: its turn waits for it.
@@ -258,7 +287,10 @@ class WeightRoutes:
         # Checked before the turn, while the bucket before is still on the wire: that is time the turn would wait.
         refused, group = self._check_bucket(body)
         if body.bucket_index is None:
-            return reply(False, refused) if group is None else reply(*await self.receiver.receive(body, group))
+            if group is None:
+                return reply(False, refused)
+            async with self._exclusive():
+                return reply(*await self.receiver.receive(body, group))
         if group is None:
             await engine.turns.fail(body.bucket_index, refused)  # its bytes would go to the next receive otherwise
             return reply(False, refused)
@@ -267,7 +299,8 @@ class WeightRoutes:
             return reply(False, f"{refused}; nothing was received")
         success, message, status = False, "the receive was interrupted", 500
         try:
-            success, message, status = await self.receiver.receive(body, group, body.bucket_index)
+            async with self._exclusive():
+                success, message, status = await self.receiver.receive(body, group, body.bucket_index)
         finally:
             await engine.turns.done(body.bucket_index, None if success else message)
         return reply(success, message, status)
@@ -288,13 +321,15 @@ class WeightRoutes:
 
     async def update_from_disk(self, request: web.Request) -> web.Response:
         """``POST /update_weights_from_disk``: read a whole HF folder off the scheduler thread, then load it between
-        two forward passes."""
+        two forward passes (under ``_exclusive``), and flush the prefix cache if asked and idle."""
         engine = self.engine
         try:
             body = UpdateFromDiskRequest.model_validate(await json_body(request))
         except ValidationError as exc:
             return reply(False, f"invalid /update_weights_from_disk request: {exc}")
-        async with engine.update_lock:
+        if body.abort_all_requests:
+            await self._abort_all("aborted by a weight update")  # before the writer lock, as SGLang does
+        async with self._exclusive(), engine.update_lock:
             await self.receiver.quiet()
             try:
                 tensors = await asyncio.to_thread(engine.weights.read_folder, body.model_path)
@@ -309,6 +344,8 @@ class WeightRoutes:
                 engine.model_path = body.model_path
                 if version is not None:
                     engine.generator.version = version
+                if body.flush_cache:
+                    engine.flush_after_update()
 
             await asyncio.wrap_future(engine.scheduler.call(load))
         self._release()
@@ -336,12 +373,14 @@ class WeightRoutes:
         mode = body.get("mode", "abort")
         if mode not in ("abort", "retract", "in_place"):
             return reply(False, f"pause mode {mode!r} is unknown; use abort, retract or in_place")
-        self.engine.scheduler.set_paused(True)
+        self.engine.set_paused(True)
         if mode == "abort":
-            await asyncio.wrap_future(
-                self.engine.scheduler.call(lambda: self.engine.abort(lambda s: True, "aborted by pause_generation"))
-            )
+            await self._abort_all("aborted by pause_generation")
         return reply(True, f"generation paused ({mode})")
+
+    async def _abort_all(self, message: str) -> None:
+        engine = self.engine
+        await asyncio.wrap_future(engine.scheduler.call(lambda: engine.abort(lambda s: True, message)))
 
     async def resume(self, request: web.Request) -> web.Response:
         """``POST /continue_generation``."""
@@ -350,7 +389,7 @@ class WeightRoutes:
 
     def _continue(self) -> None:
         self.engine.held = False  # an explicit go-ahead overrides a hold
-        self.engine.scheduler.set_paused(False)
+        self.engine.set_paused(False)
 
     async def weight_group_probe(self, request: web.Request) -> web.Response:
         """``POST /weight_group_probe`` ``{group_name, nbytes, prepare}`` (sluice only, for ``sluice bench sync``):
@@ -372,8 +411,11 @@ class WeightRoutes:
         return reply(True, f"{'prepared' if body.get('prepare') else 'received'} {nbytes} bytes")
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        """``POST /flush_cache``: nothing to flush (no prefix cache); kept for protocol compatibility."""
-        return reply(True, "Cache flushed (the CPU engine keeps no prefix cache).")
+        """``POST /flush_cache``: empty the prefix cache if the engine is fully idle, else a 400 (SGLang's rule);
+        decided between two forward passes, where nothing can be admitted meanwhile."""
+        engine = self.engine
+        return reply(*await asyncio.wrap_future(engine.scheduler.call(engine.flush_prefix_cache)))
+
 
 
 async def _leave(group: TpWeightGroup) -> None:
