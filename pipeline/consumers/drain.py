@@ -2,7 +2,7 @@
 policy and the group filters. Only the trainer's rank 0 talks to the queue; the other ranks get their share from it.
 
 Nothing is acked here. Every entry a batch consumed (trained, stale, invalid or filtered) stays pending until the
-checkpoint that holds its effect is committed; the trainer acks it then (ARCHITECTURE.md, "Exactly-once effect").
+checkpoint that holds its effect is committed; the trainer acks it then (docs/architecture.md, "Exactly-once effect").
 
 Pacing slots are given back here, though, at drain time: a group that will not be trained (stale, invalid, filtered
 or requeued) releases the slot its producer took, so producers can start a replacement now rather than at the next

@@ -1,4 +1,4 @@
-"""Group filters: which drained prompt groups the trainer keeps (an extension point; ARCHITECTURE.md, "Edges").
+"""Group filters: which drained prompt groups the trainer keeps (an extension point; docs/architecture.md, "Edges").
 
 A filter sees one prompt group, the samples of it the trainer could train on (with their rewards), after the
 staleness policy has accepted it. A dropped group is recorded in the ledger as ``filtered``, acked at the next commit

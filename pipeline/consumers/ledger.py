@@ -1,7 +1,7 @@
 """The ledger: each sample's fate in the trainer (trained, stale, invalid or filtered), with the step and policy
 version.
 
-It is the trainer's half of the exactly-once protocol (ARCHITECTURE.md, "Exactly-once effect"). Lines accumulate in
+It is the trainer's half of the exactly-once protocol (docs/architecture.md, "Exactly-once effect"). Lines accumulate in
 memory during steps; at a checkpoint commit they are written as one Parquet segment ``ledger/seg-<step>.parquet``
 (temporary file, fsync, rename) BEFORE the checkpoint itself is renamed into place. A segment whose step is newer
 than the last committed checkpoint belongs to a commit that never finished; loading discards it. So the committed

@@ -4,7 +4,7 @@ Everything here is a pure function of (sample versions, current policy version, 
 model. The trainer calls :func:`apply_policy` on each drained batch of groups; producers call :func:`may_admit` (or
 :func:`admission_budget`) before starting a new group.
 
-Definitions (see ARCHITECTURE.md, "Versions and staleness"):
+Definitions (see docs/architecture.md, "Versions and staleness"):
 
 - A sample's lag is ``current_version - version_min``: the number of weight pushes since its OLDEST token was
   generated. (``lag_from="version_max"`` measures from the newest token instead, for setups that continue partial

@@ -132,7 +132,7 @@ one the stream lost (an audit counts it as lost)."""
 
 
 class SampleQueue:
-    """Durable queue of sample groups on a Redis stream (see ARCHITECTURE.md, "Redis layout").
+    """Durable queue of sample groups on a Redis stream (see docs/architecture.md, "Redis layout").
 
     ``capacity`` bounds the entries not yet delivered to ``backpressure_group``; ``put`` blocks while it is reached.
     ``routing_codec`` is how ``put`` writes MoE routing (``pipeline.queue.codec``); reads take either.
