@@ -19,8 +19,8 @@ import httpx
 import numpy as np
 import pytest
 import torch
-
 from engines import EngineProcess, start_engine
+
 from pipeline.models.tiny import init_tiny_model
 from pipeline.producers.cpu_engine.prefix_cache import PrefixCache
 from pipeline.producers.cpu_engine.update_lock import ModelUpdateLock
@@ -341,6 +341,39 @@ def test_a_cached_prompt_returns_the_routing_tokens_and_logprobs_of_an_uncached_
     # Input logprobs from the first position need every prompt position computed: no reuse then.
     with_inputs = _post(url, "/generate", {**body, "logprob_start_len": 0})
     assert with_inputs["meta_info"]["cached_tokens"] == 0 and with_inputs["output_ids"] == uncached["output_ids"]
+
+
+def _hits_of_different_lengths_batched_together_match_uncached(url: str) -> None:
+    """Two prompts admitted together, one with all but its last position cached and one with a short prefix cached:
+    one forward over cached KV with padding between the cached and the computed positions of the first row. Every
+    token, logprob and routing row is that of the uncached prompts."""
+    prompts = [[51, 52, 53, 54, 55, 56], [51, 52, 53, 57, 58, 59, 60, 3, 4]]
+    body = {"input_ids": prompts, "return_logprob": True, "return_routed_experts": True,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": 7, "ignore_eos": True}}
+    uncached = _post(url, "/generate", {**body, "extra_key": "reference"})
+    assert [a["meta_info"]["cached_tokens"] for a in uncached] == [0, 0]
+    _post(url, "/generate", _request(prompts[0], 2, extra_key="batched"))
+    _post(url, "/generate", _request(prompts[1][:3], 2, extra_key="batched"))
+    cached = _post(url, "/generate", {**body, "extra_key": "batched"})
+    assert [a["meta_info"]["cached_tokens"] for a in cached] == [5, 3]
+    for got, want in zip(cached, uncached, strict=True):
+        assert got["output_ids"] == want["output_ids"]
+        assert np.abs(_logprobs(got) - _logprobs(want)).max() < LOGPROB_ATOL
+        assert got["meta_info"]["routed_experts"] == want["meta_info"]["routed_experts"]
+
+
+def test_hits_of_different_lengths_batched_together_match_uncached(url: str) -> None:
+    _hits_of_different_lengths_batched_together_match_uncached(url)
+
+
+@pytest.mark.slow
+def test_hits_batched_together_match_uncached_on_deepseek_v3(tmp_path: Path) -> None:
+    """The same on MLA, whose keys and values differ in width."""
+    engine = start_engine(init_tiny_model("deepseek-v3", tmp_path / "model", seed=0), tmp_path)
+    try:
+        _hits_of_different_lengths_batched_together_match_uncached(engine.url)
+    finally:
+        engine.stop()
 
 
 def test_n_samples_of_one_prompt_prefill_it_once_and_report_it_cached(url: str) -> None:

@@ -131,6 +131,11 @@ class PrefixCache:
             del self._lengths[entry.namespace]
 
 
+def flush_refused(waiting: int, running: int) -> str:
+    """Why ``/flush_cache`` did nothing, in SGLang's words: an engine flushes only when fully idle."""
+    return f"Cache not flushed because there are pending requests. #queue-req: {waiting}, #running-req: {running}"
+
+
 @dataclass
 class CachedPrefill:
     """The inputs of one forward pass over prompts whose first positions come from the cache.

@@ -47,7 +47,7 @@ from pipeline.errors import EngineError
 from pipeline.producers.cpu_engine.config import CpuEngineConfig
 from pipeline.producers.cpu_engine.generator import BatchGenerator, Sequence, StopStrings
 from pipeline.producers.cpu_engine.http_io import json_body, reply
-from pipeline.producers.cpu_engine.prefix_cache import PrefixCache
+from pipeline.producers.cpu_engine.prefix_cache import PrefixCache, flush_refused
 from pipeline.producers.cpu_engine.protocol import (
     GenerateRequest,
     PromptSpec,
@@ -205,8 +205,7 @@ class Engine:
         nothing paused in place. Run by the scheduler thread (``Scheduler.call``), between forward passes."""
         waiting, running = self.scheduler.pending_in_loop()
         if waiting or running:
-            return False, (f"Cache not flushed because there are pending requests. #queue-req: {waiting}, "
-                           f"#running-req: {running}")
+            return False, flush_refused(waiting, running)
         dropped = self.prefix_cache.clear()
         return True, f"Cache flushed ({dropped} cached prompts dropped)."
 

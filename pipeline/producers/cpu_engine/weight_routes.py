@@ -56,6 +56,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pipeline.errors import EngineError, SluiceError
 from pipeline.producers.cpu_engine.bucket_receiver import BucketReceiver
 from pipeline.producers.cpu_engine.http_io import json_body, reply
+from pipeline.producers.cpu_engine.prefix_cache import flush_refused
 from pipeline.producers.cpu_engine.tp_group import TpWeightGroup
 from pipeline.sync.packing import FLAT_FORMAT
 
@@ -414,6 +415,10 @@ class WeightRoutes:
         """``POST /flush_cache``: empty the prefix cache if the engine is fully idle, else a 400 (SGLang's rule);
         decided between two forward passes, where nothing can be admitted meanwhile."""
         engine = self.engine
+        load = engine.scheduler.load()
+        if load.num_running_reqs or load.num_waiting_reqs:
+            # Plainly busy (a push's requests paused in place): refused here, without a hop to the scheduler thread.
+            return reply(False, flush_refused(load.num_waiting_reqs, load.num_running_reqs))
         return reply(*await asyncio.wrap_future(engine.scheduler.call(engine.flush_prefix_cache)))
 
 
