@@ -396,8 +396,12 @@ def _read_outcome(result: RunResult, python: str) -> None:
     if not (result.run_dir / "run.json").exists():
         result.audit_error = "the run folder holds no run"
         return
-    audit = subprocess.run([python, "-m", "pipeline.cli", "queue", "audit", "--run-dir", str(result.run_dir),
-                            "--json"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    try:
+        audit = subprocess.run([python, "-m", "pipeline.cli", "queue", "audit", "--run-dir", str(result.run_dir),
+                                "--json"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        result.audit_error = "sluice queue audit did not answer within 300 s"
+        return
     if audit.returncode == 0:
         try:
             result.audit = json.loads(audit.stdout)
