@@ -319,7 +319,7 @@ def test_a_cached_prefix_keeps_the_kv_of_the_weights_it_was_computed_under_in_it
     # position attending to the old model's cache, and it is not what the new weights compute afresh.
     with torch.no_grad():
         past = old(input_ids=torch.tensor([prompt[:-1]]), use_cache=True).past_key_values
-        logits = new(input_ids=torch.tensor([prompt[-1:]]), past_key_values=past, use_cache=True).logits[0, -1]
+        logits = new(input_ids=torch.tensor([prompt[-1:]]), cache=past, use_cache=True).logits[0, -1]
     mixed = torch.log_softmax(logits.float(), dim=-1)
     assert stale["output_ids"][0] == int(mixed.argmax())
     assert abs(_logprobs(stale)[0] - float(mixed[stale["output_ids"][0]])) < LOGPROB_ATOL

@@ -24,8 +24,8 @@ from pipeline.producers.cpu_engine.tp_group import TpWeightGroup
 from pipeline.sync.packing import FLAT_FORMAT
 
 if TYPE_CHECKING:
-    from pipeline.producers.cpu_engine.server import Engine
-    from pipeline.producers.cpu_engine.weight_routes import UpdateFromDistributedRequest
+    from pipeline.producers.cpu_engine.engine import Engine
+    from pipeline.producers.cpu_engine.weight_requests import UpdateFromDistributedRequest
 
 
 class BucketReceiver:

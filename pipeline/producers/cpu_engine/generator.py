@@ -1,15 +1,14 @@
 """Batched generation over one shared, left-padded KV cache.
 
-All running sequences form one batch. Each scheduler iteration does at most one prefill forward (the sequences that
-join, padded together) and one decode forward (one token for every running sequence). Joining sequences are merged
-into the running batch by left-padding whichever cache is shorter; finished ones are removed, and columns that have
-become padding for every row are trimmed. Padding never reaches a real token: the attention mask hides it, and
-position ids count real tokens only, so a sequence's numbers do not depend on what it is batched with (up to float
-rounding of differently shaped matmuls).
-
-Prompts whose first positions are in the prefix cache (``prefix_cache.py``) are prefilled apart, in a forward that
-computes only the positions not cached, over the cached keys and values; everything else about them is as for any
-sequence. Prompts not cached are prefilled exactly as without a cache, and their KV is then kept in it.
+All running sequences form one batch. Each scheduler iteration does at most one prefill forward of the sequences
+that join (padded together), a second one for those of them whose prompts begin with a prefix in the prefix cache
+(``prefix_cache.py``: only the positions not cached are computed, over the cached keys and values, with padding
+between the two where prompts differ), and one decode forward (one token for every running sequence). Prompts not
+cached are prefilled exactly as without a cache, and their KV is then kept in it. Joining sequences are merged into
+the running batch by left-padding whichever cache is shorter; finished ones are removed, and columns that have become
+padding for every row are trimmed. Padding never reaches a real token: the attention mask hides it, and position ids
+count real tokens only, so a sequence's numbers do not depend on what it is batched with (up to float rounding of
+differently shaped matmuls).
 
 Routing (the experts each fed token was sent to) costs no tensor op per decode step: the recorder keeps the routers'
 outputs, and they are moved into a ``RoutingBuffer`` shaped like the cache only when rows change (or every
@@ -20,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,73 +27,18 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from pipeline.producers.cpu_engine.prefix_cache import CacheHit, Namespace, PrefixCache, row_kv, stack_hits
+from pipeline.producers.cpu_engine.prefix_cache import CacheHit, PrefixCache, row_kv, stack_hits
 from pipeline.producers.cpu_engine.routing import RoutingBuffer, RoutingRecorder
-from pipeline.producers.cpu_engine.sampling import LogprobMode, SamplingSettings, select_tokens, token_logprobs
+from pipeline.producers.cpu_engine.sampling import LogprobMode, select_tokens, token_logprobs
+from pipeline.producers.cpu_engine.sequence import Sequence, StopStrings
+
+__all__ = ["KV", "BatchGenerator", "Sequence", "StopStrings"]  # the sequence types are imported from here too
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 
 # Decode steps whose routing the recorder may hold before it is moved into the batch's buffer in one copy. Any row
 # change (a sequence finishing or joining) moves it sooner; this only bounds what is held between.
 ROUTING_FLUSH_STEPS = 64
-
-
-@dataclass(frozen=True)
-class StopStrings:
-    """A sequence's stop strings and the detokenizer that looks for them, the way SGLang does: after each token, the
-    decoded tail of the output (as many tokens as the longest string has characters, plus one) is searched."""
-
-    strings: tuple[str, ...]
-    decode: Callable[[list[int]], str]
-
-    def matched(self, output_ids: list[int]) -> str | None:
-        """The stop string the output now contains, or None."""
-        longest = max(len(s) for s in self.strings)
-        tail = self.decode(output_ids[-(longest + 1) :])
-        return next((s for s in self.strings if s in tail), None)
-
-
-@dataclass(eq=False)
-class Sequence:
-    """One sample being generated: its options, and the tokens, logprobs, versions and routing produced so far."""
-
-    prompt_ids: list[int]
-    max_new_tokens: int
-    settings: SamplingSettings
-    stop_ids: frozenset[int]
-    ignore_eos: bool
-    generator: torch.Generator | None
-    input_logprob_start: int = -1
-    rid: str = ""
-    stop_strings: StopStrings | None = None
-    namespace: Namespace = ("", "")
-    """The request's ``(cache_salt, extra_key)``: only entries of the prefix cache made under it are reused."""
-    shares_prefill: bool = False
-    """One of the ``n > 1`` samples of one prompt, which SGLang prefills once, caches, and then serves from that
-    cache: the samples report the prompt as cached (this engine shares the prefill row, to the same effect)."""
-    cached_tokens: int = 0
-    """Prompt positions whose KV came from the prefix cache (``meta_info.cached_tokens``)."""
-    on_finish: Callable[[Sequence], None] | None = None
-    output_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
-    token_versions: list[str] = field(default_factory=list)
-    routing: torch.Tensor | None = None
-    """``[P + R - 1, layers, topk]`` int32, set when the sequence leaves the batch (the batch holds it until then)."""
-    input_logprobs: list[float | None] | None = None
-    finish_reason: dict[str, Any] | None = None
-    abort_requested: bool = False
-    notified: bool = False
-    created_at: float = field(default_factory=time.monotonic)
-    first_token_at: float | None = None
-
-    @property
-    def finished(self) -> bool:
-        """Whether the sequence has a finish reason."""
-        return self.finish_reason is not None
-
-    def routed_experts(self) -> torch.Tensor | None:
-        """All recorded routing rows ``[P + R - 1, layers, topk]``, or None when routing was not recorded."""
-        return self.routing
 
 
 @dataclass
