@@ -57,7 +57,7 @@ def export_run(run_dir: Path, out: Path, step: int | None = None) -> ExportResul
     """Write the checkpoint of ``step`` (default: the newest) of the run in ``run_dir`` as an HF folder ``out``."""
     from pipeline.consumers.heldout import CheckpointExporter
     from pipeline.consumers.megatron.checkpoint import read_checkpoint_meta
-    from pipeline.launch import CONFIG_FILE, load_run_config, model_folder
+    from pipeline.launch.launcher import CONFIG_FILE, load_run_config, model_folder
 
     run_dir = Path(run_dir)
     if not (run_dir / CONFIG_FILE).is_file():

@@ -27,11 +27,11 @@ def is_role(p: psutil.Process) -> bool:
         cmd = p.cmdline()
     except psutil.Error:
         return False
-    return "pipeline.host_reaper" not in cmd and ("pipeline.processes" in cmd or "pipeline.producers.cpu_engine" in cmd)
+    return "pipeline.launch.reaper" not in cmd and ("pipeline.launch.processes" in cmd or "pipeline.producers.cpu_engine" in cmd)
 
 
 def find_role(run_dir: Path, role: str, name: str | None = None, rank: int | None = None) -> psutil.Process | None:
-    """The process of ``pipeline.processes ROLE`` (optionally the one named ``name``, or of a trainer the one of
+    """The process of ``pipeline.launch.processes ROLE`` (optionally the one named ``name``, or of a trainer the one of
     ``rank``), not its reaper."""
     for p in run_processes(run_dir).values():
         try:
@@ -40,9 +40,9 @@ def find_role(run_dir: Path, role: str, name: str | None = None, rank: int | Non
                 continue
         except psutil.Error:
             continue
-        if "pipeline.host_reaper" in cmd or "pipeline.processes" not in cmd:
+        if "pipeline.launch.reaper" in cmd or "pipeline.launch.processes" not in cmd:
             continue
-        if cmd[cmd.index("pipeline.processes") + 1] == role and (name is None or name in cmd):
+        if cmd[cmd.index("pipeline.launch.processes") + 1] == role and (name is None or name in cmd):
             return p
     return None
 

@@ -261,7 +261,7 @@ def test_a_full_disk_under_the_checkpoints_fails_the_commit_and_loses_nothing(tm
     from train_samples import routed_groups
 
     from pipeline.consumers.audit import audit_trainer
-    from pipeline.launch import prepare_run
+    from pipeline.launch.launcher import prepare_run
 
     run_dir = tmp_path / "run"
     cfg = load_config(None, [

@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pipeline.cluster import HostedProcess, ProcessHost, ProcessSpec, RestartBudget, check_resources
 from pipeline.errors import ConfigError, SluiceError
+from pipeline.launch.cluster import HostedProcess, ProcessHost, ProcessSpec, RestartBudget, check_resources
 
 ray = pytest.importorskip("ray")
 

@@ -165,7 +165,7 @@ def test_a_restore_spends_the_pacing_slots_its_pushes_added_once(queue: SampleQu
 
 def _victim(run_dir: Path, role: str) -> subprocess.Popen[bytes]:
     """A process that looks like the run's ``role`` to the injector: its environment and command line."""
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "pipeline.processes", role],
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "pipeline.launch.processes", role],
                             env={**os.environ, "SLUICE_RUN_DIR": str(run_dir.resolve())})
 
 

@@ -20,7 +20,7 @@ from pipeline import plugins
 from pipeline.config import load_config
 from pipeline.consumers.hooks import HookRunner, HooksConfig
 from pipeline.errors import ConfigError
-from pipeline.launch import prepare_run
+from pipeline.launch.launcher import prepare_run
 from pipeline.producers.producer import read_num_experts
 from pipeline.queue.redis_server import free_port
 
@@ -101,7 +101,7 @@ def test_a_trainer_run_calls_every_hook_and_survives_a_raising_one(tmp_path: Pat
         env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1", SLUICE_TEST_HOOK_LOG=str(hook_log))
         with open(run_dir / "trainer-test.log", "ab") as log:
-            proc = subprocess.run([sys.executable, "-m", "pipeline.processes", "trainer", str(run_dir)], env=env,
+            proc = subprocess.run([sys.executable, "-m", "pipeline.launch.processes", "trainer", str(run_dir)], env=env,
                                   stdout=log, stderr=subprocess.STDOUT, timeout=600, check=False)
         out = (run_dir / "trainer-test.log").read_text()
         assert proc.returncode == 0, out[-3000:]

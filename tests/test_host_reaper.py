@@ -1,4 +1,4 @@
-"""``pipeline.host_reaper``: what a process started leaves behind goes when it does, whatever session it moved to."""
+"""``pipeline.launch.reaper``: what a process started leaves behind goes when it does, whatever session it moved to."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ ESCAPING = (
 def _reap(tmp_path: Path, host_pid: int) -> tuple[psutil.Process, Path]:
     pid_file = tmp_path / "grandchild.pid"
     state = tmp_path / "state"
-    subprocess.run([sys.executable, "-m", "pipeline.host_reaper", str(host_pid), str(state), "--", sys.executable,
+    subprocess.run([sys.executable, "-m", "pipeline.launch.reaper", str(host_pid), str(state), "--", sys.executable,
                     "-c", ESCAPING, str(pid_file)], check=True, timeout=30)
     deadline = time.monotonic() + 30
     while not pid_file.exists() or not pid_file.read_text():

@@ -94,7 +94,7 @@ def test_a_resume_after_rollback_trains_the_restored_weights_samples(tmp_path: P
     from pipeline.config import load_config
     from pipeline.consumers.audit import audit_trainer
     from pipeline.consumers.ledger import read_ledger
-    from pipeline.launch import prepare_run
+    from pipeline.launch.launcher import prepare_run
     from pipeline.producers.producer import read_num_experts
 
     run_dir = tmp_path / "run"

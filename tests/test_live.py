@@ -12,8 +12,8 @@ import pytest
 from conftest import make_group
 from rich.console import Console
 
-import pipeline.live as live
-from pipeline.live import LiveView, TrainerTail, collect, plain_line
+import pipeline.observe.live as live
+from pipeline.observe.live import LiveView, TrainerTail, collect, plain_line
 from pipeline.queue.redis_streams import SampleQueue
 
 TOTAL = 40

@@ -351,7 +351,7 @@ def test_a_trainer_process_refuses_the_spec_at_start_up_and_says_not_to_restart_
     import subprocess
     import sys
 
-    from pipeline.launch import CONFIG_EXIT_CODE, REFUSED, _refusal, prepare_run
+    from pipeline.launch.launcher import CONFIG_EXIT_CODE, REFUSED, _refusal, prepare_run
     from pipeline.queue.redis_server import free_port
 
     run_dir = tmp_path / "run"
@@ -366,7 +366,7 @@ def test_a_trainer_process_refuses_the_spec_at_start_up_and_says_not_to_restart_
                    MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
         log = run_dir / "trainer-test.log"
         with log.open("ab") as out:
-            code = subprocess.run([sys.executable, "-m", "pipeline.processes", "trainer", str(run_dir)], env=env,
+            code = subprocess.run([sys.executable, "-m", "pipeline.launch.processes", "trainer", str(run_dir)], env=env,
                                   stdout=out, stderr=subprocess.STDOUT, timeout=300).returncode
         assert code == CONFIG_EXIT_CODE, log.read_text()[-3000:]
         assert REFUSED in log.read_text()

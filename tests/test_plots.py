@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.plots import moving_mean, write_plots
+from pipeline.observe.plots import moving_mean, write_plots
 
 pytest.importorskip("matplotlib")
 

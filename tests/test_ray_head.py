@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pipeline.ray_runtime import connected
+from pipeline.launch.ray_runtime import connected
 
 
 def _alive(pid: int) -> bool:
@@ -29,7 +29,7 @@ def test_a_head_that_exits_while_starting_is_started_again(tmp_path: Path, monke
     first start's log, and stopping it leaves nothing."""
     import ray
 
-    from pipeline import ray_runtime
+    from pipeline.launch import ray_runtime
 
     if ray.is_initialized():  # a driver connection an earlier module left: this test connects to its own head
         ray.shutdown()

@@ -27,8 +27,8 @@ import pytest
 import redis
 from runprocs import alive, is_role, run_processes
 
-from pipeline.launch import CHILD_STOP_S, TRAINER_STOP_S, RunLock, RunLockedError
-from pipeline.launch_control import Interrupted, StopRequest
+from pipeline.launch.control import Interrupted, StopRequest
+from pipeline.launch.launcher import CHILD_STOP_S, TRAINER_STOP_S, RunLock, RunLockedError
 from pipeline.queue.keys import RunKeys
 from pipeline.queue.rundir import open_run
 

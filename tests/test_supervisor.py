@@ -1,4 +1,4 @@
-"""The launcher's supervisor on a private Ray instance (``pipeline.ray_runtime``), with plain processes: the stop's
+"""The launcher's supervisor on a private Ray instance (``pipeline.launch.ray_runtime``), with plain processes: the stop's
 two waves, a process that outlives its timeout, restarts under the budget, and a killed launcher that takes its
 Ray instance and every process with it."""
 
@@ -18,10 +18,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pipeline.cluster import ProcessSpec, RestartBudget
 from pipeline.errors import SluiceError
-from pipeline.ray_runtime import connected, start_private_head
-from pipeline.supervisor import Supervisor
+from pipeline.launch.cluster import ProcessSpec, RestartBudget
+from pipeline.launch.ray_runtime import connected, start_private_head
+from pipeline.launch.supervisor import Supervisor
 
 ROOT = Path(__file__).parent.parent
 
@@ -185,9 +185,9 @@ def test_a_process_that_is_not_restartable_is_reported_and_left_alone(private_ra
 LAUNCHER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from pipeline.cluster import ProcessSpec
-    from pipeline.ray_runtime import connected, start_private_head
-    from pipeline.supervisor import Supervisor
+    from pipeline.launch.cluster import ProcessSpec
+    from pipeline.launch.ray_runtime import connected, start_private_head
+    from pipeline.launch.supervisor import Supervisor
     run_dir = Path(sys.argv[1])
     with connected(run_dir, start_private_head(run_dir, num_cpus=4, dashboard=False)):
         sup = Supervisor()
@@ -226,7 +226,7 @@ def test_a_launcher_killed_with_sigkill_takes_its_ray_instance_and_processes_wit
 
 
 def test_the_trainer_waits_for_the_engines_file_and_takes_it_whole_once_it_appears(tmp_path: Path) -> None:
-    from pipeline.processes import wait_for_engines
+    from pipeline.launch.processes import wait_for_engines
 
     urls = ["http://10.0.0.1:4000", "http://10.0.0.2:4001"]
 

@@ -21,7 +21,7 @@ from train_samples import routed_groups
 from pipeline.config import load_config
 from pipeline.consumers.audit import audit_trainer
 from pipeline.consumers.megatron.checkpoint import read_checkpoint_meta
-from pipeline.launch import prepare_run
+from pipeline.launch.launcher import prepare_run
 from pipeline.producers.producer import read_num_experts
 from pipeline.queue.archive import parse_id
 from pipeline.queue.redis_server import free_port
@@ -36,7 +36,7 @@ def _start_trainer(run_dir: Path, preexec_fn: Callable[[], None] | None = None) 
                MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
     log = open(run_dir / "trainer-test.log", "ab")  # noqa: SIM115 - the child keeps it
     # Own process group: the checkpoint writer is a child of the trainer, and a crash takes both.
-    return subprocess.Popen([sys.executable, "-m", "pipeline.processes", "trainer", str(run_dir)], env=env,
+    return subprocess.Popen([sys.executable, "-m", "pipeline.launch.processes", "trainer", str(run_dir)], env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=preexec_fn)
 
 

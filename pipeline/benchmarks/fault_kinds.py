@@ -106,11 +106,11 @@ def find_process(run_dir: Path, role: str, rank: int | None = None) -> psutil.Pr
             cmd = p.cmdline()
         except psutil.Error:
             continue
-        if "pipeline.host_reaper" in cmd:
+        if "pipeline.launch.reaper" in cmd:
             continue
         if role == "engine" and "pipeline.producers.cpu_engine" in cmd:
             return p
-        if "pipeline.processes" in cmd and cmd[cmd.index("pipeline.processes") + 1:][:1] == [role]:
+        if "pipeline.launch.processes" in cmd and cmd[cmd.index("pipeline.launch.processes") + 1:][:1] == [role]:
             return p
     return None
 

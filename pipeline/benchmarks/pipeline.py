@@ -83,7 +83,7 @@ def _rate(rows: list[dict[str, Any]], skip: int) -> dict[str, float]:
 def _run(recipe: str, overrides: list[str]) -> float:
     """Run ``sluice run`` in this process; returns its wall-clock start (epoch seconds)."""
     from pipeline.config import load_config
-    from pipeline.launch import run
+    from pipeline.launch.launcher import run
 
     cfg = load_config(recipe, overrides)
     start = time.time()

@@ -223,7 +223,7 @@ def _json_safe(info: Any) -> dict[str, Any]:
 ENV_PREFIX = "env:"
 """A ``reward_url`` or ``reward_headers`` value ``env:NAME`` is read from the environment variable NAME, so that a
 secret stays out of the recipe and of ``RUN_DIR/config.json``."""
-_PASSED_PREFIX = "SLUICE_"  # only these variables reach the run's processes (pipeline.launch._env)
+_PASSED_PREFIX = "SLUICE_"  # only these variables reach the run's processes (pipeline.launch.launcher._env)
 
 
 def _env_ref(value: str, field: str) -> str | None:

@@ -1,13 +1,13 @@
 """``python -m pipeline.producers.sglang_launch``: start an SGLang server for a run, on a port chosen on its node.
 
 ``engine.launch = true`` makes each engine of a run an SGLang server that sluice starts as a Ray actor's child
-(``pipeline.launch.launch_engines``), like a CPU engine. SGLang takes its HTTP port as a number and cannot report a port
-the OS chose, so this wrapper, already on the node Ray placed it on, binds port 0 on the engine's address to learn a
-free port, writes it to ``--port-file`` (the actor reports it; the URL goes to ``RUN_DIR/engines.json``), closes the
-socket and replaces itself with the server (``os.execv``: the same PID, so the supervisor's signals and the reaper
-reach SGLang itself). Between the close and SGLang's bind another process could take the port; SGLang then fails to
-start and the supervisor restarts the engine, which picks again. A restart that found its port once keeps it
-(``--port`` is then that number), so the URL producers and the trainer know stays valid.
+(``pipeline.launch.launcher.launch_engines``), like a CPU engine. SGLang takes its HTTP port as a number and cannot
+report a port the OS chose, so this wrapper, already on the node Ray placed it on, binds port 0 on the engine's
+address to learn a free port, writes it to ``--port-file`` (the actor reports it; the URL goes to
+``RUN_DIR/engines.json``), closes the socket and replaces itself with the server (``os.execv``: the same PID, so the
+supervisor's signals and the reaper reach SGLang itself). Between the close and SGLang's bind another process could
+take the port; SGLang then fails to start and the supervisor restarts the engine, which picks again. A restart that
+found its port once keeps it (``--port`` is then that number), so the URL producers and the trainer know stays valid.
 
 ``--python`` (``engine.python``) names the interpreter that runs the server, usually the python of SGLang's own
 virtual environment: SGLang pins its own torch and CUDA kernels, which rarely match sluice's.

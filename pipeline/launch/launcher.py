@@ -2,7 +2,7 @@
 
 The launcher owns the run folder, the embedded Redis and the run's lock. It connects to Ray (a private instance for
 the run by default, or the cluster of ``ray.address``), then starts each process of the run as a ``HostedProcess``
-(``pipeline.cluster``) with the resources the recipe gives its role: the warm start, the CPU engines (or it
+(``pipeline.launch.cluster``) with the resources the recipe gives its role: the warm start, the CPU engines (or it
 connects to SGLang servers), the producers, the trainer ranks (one placement group), the evaluator and the
 archiver. It restarts what dies: engines, producers, the evaluator and the archiver come back by themselves under a
 restart budget per window; the trainer ranks restart together from the last checkpoint. It stops when the trainer
@@ -26,19 +26,19 @@ from typing import Any
 import httpx
 import redis
 
-from pipeline.cluster import ProcessSpec, RestartBudget, check_resources
 from pipeline.config import RoleResources, SluiceConfig, public_dict
 from pipeline.consumers.sft_config import format_summary, read_done, warmstart_dir, warmstart_model_dir
 from pipeline.errors import EngineError, SluiceError
-from pipeline.launch_control import Interrupted, RedisWatch, RunLock, RunLockedError, StopRequest
-from pipeline.live import LiveView
+from pipeline.launch.cluster import ProcessSpec, RestartBudget, check_resources
+from pipeline.launch.control import Interrupted, RedisWatch, RunLock, RunLockedError, StopRequest
+from pipeline.launch.supervisor import Supervisor
 from pipeline.models.spec import engine_patch_args
+from pipeline.observe.live import LiveView
+from pipeline.observe.report import format_curve, format_heldout, learning_curve
 from pipeline.queue.connection import check_fsync_always, connect, has_secret, redact_url
 from pipeline.queue.credentials import ENV_URL, remove_secret_url, resolve_url, write_secret_url
 from pipeline.queue.redis_streams import SampleQueue
 from pipeline.queue.rundir import RunHandle, open_run
-from pipeline.report import format_curve, format_heldout, learning_curve
-from pipeline.supervisor import Supervisor
 
 __all__ = ["RunLock", "RunLockedError", "run", "prepare_run", "model_folder", "base_model_folder",
            "ensure_base_model", "load_run_config", "CONFIG_FILE"]
@@ -130,7 +130,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _spec(cfg: SluiceConfig, role: str, name: str, args: list[str], *, env: dict[str, str] | None = None,
-          port_file: Path | None = None, module: str = "pipeline.processes") -> ProcessSpec:
+          port_file: Path | None = None, module: str = "pipeline.launch.processes") -> ProcessSpec:
     want: RoleResources = getattr(cfg.ray, role)
     run_dir = Path(cfg.run.run_dir).resolve()
     return ProcessSpec(name, [sys.executable, "-m", module, *args], str(run_dir / "logs" / f"{name}.log"),
@@ -342,7 +342,7 @@ def trainer_placement(cfg: SluiceConfig) -> Any:
 
 def _check_resources(cfg: SluiceConfig) -> None:
     """Refuse, before any process starts, a role whose resources no node offers."""
-    from pipeline.ray_runtime import cluster_resources
+    from pipeline.launch.ray_runtime import cluster_resources
 
     offered = cluster_resources()
     roles = ["trainer", "producer", *(["engine"] if _starts_engines(cfg) else []),
@@ -356,7 +356,7 @@ def _check_resources(cfg: SluiceConfig) -> None:
 
 def run(cfg: SluiceConfig) -> int:
     """The whole job; returns the exit code (128 + the signal's number after a stop by signal)."""
-    from pipeline.ray_runtime import PrivateHead, connected, start_private_head
+    from pipeline.launch.ray_runtime import PrivateHead, connected, start_private_head
 
     started = time.monotonic()
     run_dir = Path(cfg.run.run_dir)
@@ -397,7 +397,7 @@ def run(cfg: SluiceConfig) -> int:
                     if cfg.eval.heldout.enabled and cfg.eval.heldout.live:
                         _wait_for_heldout(sup, run_dir, cfg.eval.heldout.final_wait_s, stop.pause)
                         print(format_heldout(run_dir / "eval" / "metrics.jsonl"))
-                    from pipeline.plots import write_plots  # matplotlib: only now
+                    from pipeline.observe.plots import write_plots  # matplotlib: only now
 
                     print(f"plots: {', '.join(str(p) for p in write_plots(run_dir).values())}")
                     print(f"run folder: {run_dir}  (sluice queue audit --run-dir {run_dir})")

@@ -19,8 +19,8 @@ from typing import Any
 
 import redis
 
-from pipeline.cluster import RestartBudget
 from pipeline.errors import SluiceError
+from pipeline.launch.cluster import RestartBudget
 from pipeline.queue.redis_server import EmbeddedRedis
 
 log = logging.getLogger(__name__)

@@ -19,8 +19,8 @@ from typing import Any
 
 import redis
 
+from pipeline.observe.report import step_rates, trainer_rows
 from pipeline.queue.redis_streams import SampleQueue
-from pipeline.report import step_rates, trainer_rows
 
 log = logging.getLogger(__name__)
 

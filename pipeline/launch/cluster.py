@@ -7,7 +7,7 @@ resources. That keeps every process's signal handling, logs and crash behaviour 
 process exercise, and gives the run Ray's placement (custom resources, placement groups, GPUs) and node-failure
 detection: a host whose node goes away surfaces as ``RayActorError`` and is replaced like a crashed process.
 
-A process is tied to its host: it runs under ``pipeline.host_reaper``, which forwards stop signals and SIGKILLs the
+A process is tied to its host: it runs under ``pipeline.launch.reaper``, which forwards stop signals and SIGKILLs the
 process's whole group when the host's worker dies, so neither a stop nor a lost node leaves anything running. A
 port is chosen by the process that binds it and read back through the host (``--port 0`` with a port file), so no
 port is picked by one process and bound by another.
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import ConfigError, SluiceError
-from pipeline.host_reaper import HOST_DIED
+from pipeline.launch.reaper import HOST_DIED
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class ProcessSpec:
 
 
 class ProcessHost:
-    """The actor body: runs one ``ProcessSpec`` as a process on this actor's node, under ``pipeline.host_reaper``.
+    """The actor body: runs one ``ProcessSpec`` as a process on this actor's node, under ``pipeline.launch.reaper``.
 
     Methods return small dicts and ints only. ``start`` returns once the process runs (and, with a port file, once
     it has bound its port), with the node's address, so that callers build URLs from where the process really is.
@@ -93,7 +93,7 @@ class ProcessHost:
         # Where Ray placed this host is known only here: the process binds and announces this node's address.
         env = {**os.environ, **self.spec.env, "SLUICE_NODE_IP": ip}
         argv = [arg.replace("{node_ip}", ip) for arg in self.spec.cmd]
-        cmd = [sys.executable, "-m", "pipeline.host_reaper", str(os.getpid()), str(self.state), "--", *argv]
+        cmd = [sys.executable, "-m", "pipeline.launch.reaper", str(os.getpid()), str(self.state), "--", *argv]
         with open(log_path, "ab") as out:
             cwd = self.spec.cwd if self.spec.cwd and os.path.isdir(self.spec.cwd) else None
             launcher = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

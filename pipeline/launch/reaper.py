@@ -1,4 +1,4 @@
-"""``python -m pipeline.host_reaper HOST_PID STATE_DIR -- CMD...``: run CMD so that it cannot outlive its Ray host.
+"""``python -m pipeline.launch.reaper HOST_PID STATE_DIR -- CMD...``: run CMD so that it cannot outlive its Ray host.
 
 The reaper detaches from the host (a fork whose parent exits at once, and a session of its own), because Ray
 SIGKILLs the direct children of an actor worker that died, and a reaper killed that way could clean up nothing. It
@@ -79,7 +79,7 @@ def _watch(host_pid: int, on_death: threading.Event) -> None:
 
 def main(argv: list[str]) -> int:
     if len(argv) < 4 or argv[2] != "--":
-        print("usage: python -m pipeline.host_reaper HOST_PID STATE_DIR -- CMD [ARGS...]", file=sys.stderr)
+        print("usage: python -m pipeline.launch.reaper HOST_PID STATE_DIR -- CMD [ARGS...]", file=sys.stderr)
         return 2
     host_pid, state, cmd = int(argv[0]), Path(argv[1]), argv[3:]
     if os.fork() > 0:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pipeline.report import read_jsonl, step_rates, trainer_rows
+from pipeline.observe.report import read_jsonl, step_rates, trainer_rows
 
 PLOTS_DIR = "plots"
 _LAG_KEYS = ("staleness/lag_neg", "staleness/lag_0", "staleness/lag_1", "staleness/lag_2", "staleness/lag_3+")

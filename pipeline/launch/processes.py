@@ -1,4 +1,4 @@
-"""Entry points of the processes ``sluice run`` starts: ``python -m pipeline.processes ROLE RUN_DIR [NAME]``.
+"""Entry points of the processes ``sluice run`` starts: ``python -m pipeline.launch.processes ROLE RUN_DIR [NAME]``.
 
 Each reads the run's resolved config (``RUN_DIR/config.json``), wires its stage from the library, and installs one
 crash handler: log, close, exit non-zero, so the launcher restarts it. This module sits at the package root because
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from pipeline.errors import ConfigError, SluiceError
-from pipeline.launch import CONFIG_EXIT_CODE, REFUSED, base_model_folder, load_run_config, model_folder
+from pipeline.launch.launcher import CONFIG_EXIT_CODE, REFUSED, base_model_folder, load_run_config, model_folder
 
 log = logging.getLogger("sluice")
 
@@ -158,7 +158,7 @@ ROLES = {"producer": producer_main, "trainer": trainer_main, "evaluator": evalua
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) < 2 or args[0] not in ROLES:
-        print(f"usage: python -m pipeline.processes {{{','.join(ROLES)}}} RUN_DIR [NAME]", file=sys.stderr)
+        print(f"usage: python -m pipeline.launch.processes {{{','.join(ROLES)}}} RUN_DIR [NAME]", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args[0]} %(levelname)s %(name)s: %(message)s")
     role, run_dir, rest = args[0], Path(args[1]), args[2:]

@@ -1,13 +1,13 @@
 """The Ray instance a run's processes live in: a private one on this machine, or an existing cluster.
 
-A private instance is a ``ray start --head --block`` under ``pipeline.host_reaper``, watching the launcher, rather
+A private instance is a ``ray start --head --block`` under ``pipeline.launch.reaper``, watching the launcher, rather
 than the one ``ray.init()`` would start inside the launcher. Two reasons, both measured:
 
 - ``ray.init()`` starts GCS and raylet in the launcher's process group with only SIGINT blocked, so a SIGHUP or
   SIGTERM sent to that group (a closing terminal, ``kill -- -PGID``) killed Ray, and with it every process, before
   the launcher's orderly stop could run. Under the reaper, Ray has a session of its own.
 - The reaper SIGKILLs Ray's whole group once the launcher is gone, however it went (even SIGKILL), and each process
-  of the run dies with its host actor (``pipeline.cluster``): nothing a run started outlives its launcher.
+  of the run dies with its host actor (``pipeline.launch.cluster``): nothing a run started outlives its launcher.
 
 ``ray start`` ignores SIGTERM while it blocks, so the instance is stopped with the reaper's SIGUSR1 (a SIGKILL of
 the group); it holds no state worth an orderly stop, since everything of the run is in Redis and the run folder.
@@ -63,7 +63,7 @@ def temp_dir_for(run_dir: Path) -> Path:
 
 
 class PrivateHead:
-    """``ray start --head --block`` for one run, tied to the launcher by ``pipeline.host_reaper``."""
+    """``ray start --head --block`` for one run, tied to the launcher by ``pipeline.launch.reaper``."""
 
     def __init__(self, temp_dir: Path, state_dir: Path, log_path: Path, *, num_cpus: float,
                  dashboard: bool) -> None:
@@ -88,7 +88,7 @@ class PrivateHead:
             # Its output is the token: it goes nowhere.
             subprocess.run([cmd[0], "get-auth-token", "--generate"], stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL, check=True, timeout=120)
-        reaper = [sys.executable, "-m", "pipeline.host_reaper", str(os.getpid()), str(self.state_dir), "--", *cmd]
+        reaper = [sys.executable, "-m", "pipeline.launch.reaper", str(os.getpid()), str(self.state_dir), "--", *cmd]
         # SLUICE_LOOPBACK reaches every host through Ray's workers: the run's processes bind loopback too.
         env = {**os.environ, "RAY_TMPDIR": str(self.temp_dir), **_AUTH, "SLUICE_LOOPBACK": "1"}
         with open(self.log_path, "ab") as out:

@@ -1,4 +1,4 @@
-"""The launcher's supervisor: every process of a run as a ``HostedProcess`` (``pipeline.cluster``) on Ray.
+"""The launcher's supervisor: every process of a run as a ``HostedProcess`` (``pipeline.launch.cluster``) on Ray.
 
 Stateless processes (engines, producers, the evaluator, the archiver) come back by themselves after a backoff,
 under a restart budget per time window. Processes that are not restartable (trainer ranks, the warm start) are
@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.cluster import HostedProcess, ProcessSpec, RestartBudget
 from pipeline.errors import SluiceError
+from pipeline.launch.cluster import HostedProcess, ProcessSpec, RestartBudget
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class Supervisor:
 
     def exit_code(self, name: str) -> int | None:
         """None while ``name`` runs; its exit code once it exited (137 when its host was lost)."""
-        from pipeline.host_reaper import HOST_DIED
+        from pipeline.launch.reaper import HOST_DIED
 
         child = self.children[name]
         if child.done:

@@ -1,0 +1,127 @@
+"""``sluice bench queue|rollout|sync|pipeline|faults|faults-merge``: each a ratio against a reference measured in
+the same run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from pipeline.cli.common import add_dataclass_args, show
+
+
+def cmd_bench_queue(args: argparse.Namespace) -> int:
+    from dataclasses import fields
+    from pathlib import Path
+
+    from pipeline.benchmarks.queue import QueueBenchParams, run_queue_bench
+    from pipeline.benchmarks.queue_e2e import QueueE2EParams, run_queue_e2e_bench, summary_lines
+
+    if args.e2e:
+        e2e = QueueE2EParams(**{f.name: getattr(args, f.name) for f in fields(QueueE2EParams)})
+        res = run_queue_e2e_bench(e2e)
+        # The default output is the run benchmarks/README.md quotes: its JSON goes beside the other results.
+        results = Path("benchmarks/results")
+        if e2e.out == QueueE2EParams.out and results.is_dir():
+            (results / "queue-e2e.json").write_text(json.dumps(res, indent=1) + "\n")
+        show(args, res, lambda r: print("\n".join(summary_lines(r))))
+        return 0
+    old = {f.name for f in fields(QueueBenchParams)}
+    ignored = [f"--{f.name.replace('_', '-')}" for f in fields(QueueE2EParams)
+               if f.name not in old and getattr(args, f.name) != f.default]
+    if ignored:
+        print(f"warning: ignored without --e2e: {', '.join(ignored)}", file=sys.stderr)
+    params = QueueBenchParams(**{f.name: getattr(args, f.name) for f in fields(QueueBenchParams)})
+    res = run_queue_bench(params)
+
+    def human(r: dict[str, Any]) -> None:
+        print(f"redis {r['redis_version']} appendfsync={r['params']['appendfsync']}, "
+              f"{r['sample_bytes'] / 1e3:.0f} kB/sample")
+        for k in ("raw", "sluice"):
+            print(f"  {k:7s} {r[k]['samples_per_s']:9.0f} samples/s  {r[k]['MB_per_s']:8.1f} MB/s")
+        print(f"  ratio sluice/raw = {r['ratio']:.3f} (goal {r['goal']})")
+        c = r["codec_us_per_sample"]
+        print(f"  codec: encode {c['encode']:.1f} us/sample, decode {c['decode']:.1f} us/sample")
+
+    show(args, res, human)
+    return 0
+
+
+def cmd_bench_rollout(args: argparse.Namespace) -> int:
+    from dataclasses import fields
+
+    from pipeline.benchmarks.rollout import RolloutBenchParams, run_rollout_bench
+
+    params = RolloutBenchParams(**{f.name: getattr(args, f.name) for f in fields(RolloutBenchParams)})
+    res = run_rollout_bench(params)
+    show(args, res, lambda r: print(json.dumps(r, indent=1, default=str)))
+    return 0
+
+
+def cmd_bench_sync(args: argparse.Namespace) -> int:
+    from dataclasses import fields
+
+    from pipeline.benchmarks.sync import SyncBenchParams, run_sync_bench, summary_lines
+
+    params = SyncBenchParams(**{f.name: getattr(args, f.name) for f in fields(SyncBenchParams)})
+    res = run_sync_bench(params)
+    show(args, res, lambda r: print("\n".join(summary_lines(r))))
+    return 0
+
+
+def cmd_bench_pipeline(args: argparse.Namespace) -> int:
+    from dataclasses import fields
+
+    from pipeline.benchmarks.pipeline import PipelineBenchParams, run_pipeline_bench
+
+    params = PipelineBenchParams(**{f.name: getattr(args, f.name) for f in fields(PipelineBenchParams)})
+    res = run_pipeline_bench(params)
+
+    def human(r: dict[str, Any]) -> None:
+        for mode in ("sync", "async"):
+            m = r[mode]
+            print(f"  {mode:5s} {m['samples_per_s']:7.1f} samples/s  wait {m['t_wait']:.3f} s  train+push "
+                  f"{m['t_train']:.3f} s  idle {m['idle_fraction']:.1%}  reward {m['reward_mean']:.3f}")
+        print(f"  async/sync = {r['ratio']:.3f}; bound (t_gen + t_train) / max = {r['bound']:.3f}; "
+              f"ratio/bound = {r['ratio_of_bound']:.3f} (goal >= 0.9)")
+        print(f"  trainer idle in async {r['idle_fraction']:.1%} (goal <= 5%); first trained step "
+              f"{r['first_step_s']:.1f} s after sluice run (goal <= 60 s)")
+
+    show(args, res, human)
+    return 0
+
+
+def register(sub: Any) -> None:
+    """Add this group's commands to the ``sluice`` parser's subcommands."""
+    bench = sub.add_parser("bench", help="benchmarks, each a ratio against a reference measured in the same run")
+    bsub = bench.add_subparsers(dest="bench_cmd", required=True)
+    p = bsub.add_parser("queue", help="SampleQueue put+read+ack vs raw redis-py streams")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--e2e", action="store_true", help="a producer and a trainer-side consumer process at once, "
+                   "compact and plain routing against raw redis-py (the --e2e-only flags are ignored without it)")
+    add_dataclass_args(p, "pipeline.benchmarks.queue_e2e", "QueueE2EParams")
+    p.set_defaults(func=cmd_bench_queue)
+    p = bsub.add_parser("rollout", help="cost of routing capture and encoding as a fraction of rollout time")
+    p.add_argument("--json", action="store_true")
+    add_dataclass_args(p, "pipeline.benchmarks.rollout", "RolloutBenchParams")
+    p.set_defaults(func=cmd_bench_rollout)
+    p = bsub.add_parser("sync", help="the weight push's GB/s against one bare broadcast of the same bytes")
+    p.add_argument("--json", action="store_true")
+    add_dataclass_args(p, "pipeline.benchmarks.sync", "SyncBenchParams")
+    p.set_defaults(func=cmd_bench_sync)
+    p = bsub.add_parser("pipeline", help="samples trained per second, async vs sync on one recipe, against the "
+                                         "perfect-overlap bound")
+    p.add_argument("--json", action="store_true")
+    add_dataclass_args(p, "pipeline.benchmarks.pipeline", "PipelineBenchParams")
+    p.set_defaults(func=cmd_bench_pipeline)
+    p = bsub.add_parser("faults", help="SIGKILL parts of a live run at random moments; check nothing lost or "
+                                       "trained twice")
+    p.add_argument("--json", action="store_true")
+    add_dataclass_args(p, "pipeline.benchmarks.faults", "FaultsBenchParams")
+    p.set_defaults(func=lambda a: __import__("pipeline.benchmarks.faults", fromlist=["cmd"]).cmd(a))
+    p = bsub.add_parser("faults-merge", help="fold the faults.json of `sluice bench faults` invocations into one "
+                                             "record, its summaries recomputed from the trials")
+    p.add_argument("runs", nargs="+", help="--out folders of `sluice bench faults` runs (or their faults.json)")
+    p.add_argument("--into", default="benchmarks/results/faults.json", help="the record to update")
+    p.set_defaults(func=lambda a: __import__("pipeline.benchmarks.fault_merge", fromlist=["cmd"]).cmd(a))
