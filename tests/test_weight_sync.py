@@ -23,20 +23,17 @@ import torch
 from engines import RecordingImpl
 
 from pipeline.errors import SyncError
-from pipeline.sync.base import EngineReply, TensorMeta
+from pipeline.sync.base import EngineReply, TensorMeta, check_announcement, meta_of, validate_metas
 from pipeline.sync.packing import BucketPacker
 from pipeline.sync.pusher import WeightPusher
 from pipeline.sync.weights import (
     BROADCAST_WINDOW,
     GLOO_THREADS,
     bind_weight_store,
-    check_announcement,
     init_weight_group,
-    meta_of,
     plan_buckets,
     receive_flat,
     receive_tensors,
-    validate_metas,
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeline.errors import SyncError
-from pipeline.sync.base import DTYPE_ITEMSIZE, TensorMeta
+from pipeline.sync.base import DTYPE_ITEMSIZE, TensorMeta, dtype_name, torch_dtype, validate_metas
 
 FLAT_FORMAT = "flattened_bucket"
 """SGLang's ``load_format`` for one flat uint8 broadcast per bucket."""
@@ -47,19 +47,6 @@ ZERO_COPY_MIN_BYTES = 1 << 20
 
 FIRST_BUCKET_SHARE = 16
 """A streamed push's first bucket holds a sixteenth of a bucket's bytes (see ``BucketPacker``)."""
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name)
-    assert isinstance(dtype, torch.dtype)
-    return dtype
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    name = str(dtype).removeprefix("torch.")
-    if name not in DTYPE_ITEMSIZE:
-        raise SyncError(f"dtype {dtype} is not one the weight push carries; cast to one of {sorted(DTYPE_ITEMSIZE)}")
-    return name
 
 
 def unpack(metas: list[TensorMeta], flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -75,7 +62,7 @@ def unpack(metas: list[TensorMeta], flat: torch.Tensor) -> list[tuple[str, torch
         chunk = flat[offset : offset + meta.nbytes]
         if offset % DTYPE_ITEMSIZE[meta.dtype]:
             chunk = chunk.clone()
-        out.append((meta.name, chunk.view(_torch_dtype(meta.dtype)).reshape(meta.shape)))
+        out.append((meta.name, chunk.view(torch_dtype(meta.dtype)).reshape(meta.shape)))
         offset += meta.nbytes
     return out
 
@@ -182,7 +169,7 @@ class _OpenBucket:
         n = meta.nbytes
         if n:
             dst = self.buf[self.used : self.used + n]
-            wire = _torch_dtype(meta.dtype)
+            wire = torch_dtype(meta.dtype)
             src = tensor.detach()
             if self.used % DTYPE_ITEMSIZE[meta.dtype] == 0:
                 dst.view(wire).copy_(src.reshape(-1))  # cast, move and copy in one pass
@@ -255,11 +242,9 @@ class BucketPacker:
         if name in self._seen:
             raise SyncError(f"weight {name!r} appears twice in one push; the exporter must yield each name once")
         self._seen.add(name)
-        dtype = self.dtype if self.dtype is not None and tensor.is_floating_point() else _dtype_name(tensor.dtype)
+        dtype = self.dtype if self.dtype is not None and tensor.is_floating_point() else dtype_name(tensor.dtype)
         meta = TensorMeta(name=name, dtype=dtype, shape=tuple(int(d) for d in tensor.shape))
         if self.expected is not None:
-            from pipeline.sync.weights import validate_metas
-
             validate_metas([meta], self.expected)
         return meta
 

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import torch
 
 from pipeline.errors import SyncError
-from pipeline.sync.base import DTYPE_ITEMSIZE, EngineReply, TensorMeta, WeightUpdateEngine
+from pipeline.sync.base import DTYPE_ITEMSIZE, EngineReply, TensorMeta, WeightUpdateEngine, torch_dtype
 from pipeline.sync.packing import FIRST_BUCKET_SHARE, FLAT_FORMAT, BucketPacker, BucketSlots, PackedBucket
 from pipeline.sync.sources import Prepacked, Streamed, exhaust, is_packed
 from pipeline.sync.weights import (
@@ -27,7 +27,6 @@ from pipeline.sync.weights import (
     WeightGroup,
     bind_weight_store,
     init_weight_group,
-    torch_dtype,
 )
 
 log = logging.getLogger(__name__)

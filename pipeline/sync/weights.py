@@ -14,7 +14,7 @@ import collections
 import gc
 import logging
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
 
 from pipeline.errors import SyncError
-from pipeline.sync.base import DTYPE_ITEMSIZE, TensorMeta
+from pipeline.sync.base import TensorMeta, check_announcement, torch_dtype
 from pipeline.sync.packing import unpack
 
 log = logging.getLogger(__name__)
@@ -41,28 +41,6 @@ shows: 1 GB in 4 MB broadcasts moved at 0.73-0.81 of one flat broadcast with 2 w
 ends (docs/weight-push.md). Idle workers cost nothing but their stacks."""
 
 _T = TypeVar("_T")
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype for an SGLang dtype string ("bfloat16", ...); SyncError for one the push does not carry."""
-    if name not in DTYPE_ITEMSIZE:
-        raise SyncError(f"dtype {name!r} is not one the weight push carries; use one of {sorted(DTYPE_ITEMSIZE)}")
-    dtype = getattr(torch, name)
-    assert isinstance(dtype, torch.dtype)
-    return dtype
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The SGLang dtype string for a torch dtype (``torch.bfloat16`` -> "bfloat16")."""
-    name = str(dtype).removeprefix("torch.")
-    if name not in DTYPE_ITEMSIZE:
-        raise SyncError(f"dtype {dtype} is not one the weight push carries; cast to one of {sorted(DTYPE_ITEMSIZE)}")
-    return name
-
-
-def meta_of(name: str, tensor: torch.Tensor) -> TensorMeta:
-    """The announcement for one named tensor."""
-    return TensorMeta(name=name, dtype=dtype_name(tensor.dtype), shape=tuple(int(d) for d in tensor.shape))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -278,44 +256,6 @@ def _make_backend(backend: str, store: Store, rank: int, world_size: int, timeou
 # --------------------------------------------------------------------------------------------------------------------
 # Receiving side (engines)
 # --------------------------------------------------------------------------------------------------------------------
-
-
-def check_announcement(
-    names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]]
-) -> list[TensorMeta]:
-    """Validate the ``names``/``dtypes``/``shapes`` of an update request and return them as metas."""
-    if not len(names) == len(dtypes) == len(shapes):
-        raise SyncError(
-            f"update announces {len(names)} names, {len(dtypes)} dtypes and {len(shapes)} shapes; they must match"
-        )
-    if len(set(names)) != len(names):
-        dupes = sorted({n for n in names if list(names).count(n) > 1})
-        raise SyncError(f"update announces these tensor names more than once: {dupes}")
-    return [TensorMeta(name=n, dtype=d, shape=tuple(int(x) for x in s)) for n, d, s in zip(names, dtypes, shapes)]
-
-
-def validate_metas(
-    metas: Iterable[TensorMeta], expected: Mapping[str, TensorMeta], *, match_dtype: bool = True
-) -> None:
-    """Raise SyncError listing every announced tensor that is unknown or differs in shape (or dtype) from ``expected``.
-
-    Run this before any broadcast: gloo receiving into a tensor of the wrong size aborts the process.
-    """
-    problems: list[str] = []
-    for meta in metas:
-        want = expected.get(meta.name)
-        if want is None:
-            problems.append(f"{meta.name}: not a parameter of the engine's model")
-        elif want.shape != meta.shape:
-            problems.append(f"{meta.name}: shape {list(meta.shape)} but the model has {list(want.shape)}")
-        elif match_dtype and want.dtype != meta.dtype:
-            problems.append(f"{meta.name}: dtype {meta.dtype} but the model has {want.dtype}")
-    if problems:
-        shown = "; ".join(problems[:10]) + (f"; and {len(problems) - 10} more" if len(problems) > 10 else "")
-        raise SyncError(
-            f"weight update does not fit the model ({shown}). Check that trainer and engine load the same architecture "
-            "and that the trainer's name mapping produces HF names"
-        )
 
 
 def receive_tensors(

@@ -31,15 +31,8 @@ import torch
 from torch import nn
 
 from pipeline.errors import EngineError, SyncError
-from pipeline.sync.base import TensorMeta
-from pipeline.sync.weights import (
-    WeightGroup,
-    check_announcement,
-    dtype_name,
-    receive_flat,
-    receive_tensors,
-    validate_metas,
-)
+from pipeline.sync.base import TensorMeta, check_announcement, dtype_name, validate_metas
+from pipeline.sync.weights import WeightGroup, receive_flat, receive_tensors
 
 
 def _fused_expert_views(prefix: str, experts: nn.Module) -> dict[str, torch.Tensor]:
