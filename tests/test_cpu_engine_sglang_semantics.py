@@ -4,7 +4,8 @@ paused does not, and one that comes before an in-place pause waits for ever), ``
 and a prefix cache in ``extra_key`` namespaces that reuses the KV of the weights it was computed under.
 
 Each test runs against a real engine process (``engines.start_engine``: a tiny Qwen3-MoE, routing recorded), except
-the first two, which check the lock and the cache as objects."""
+the first two, which check the lock and the cache as objects, and the ordered push's, which serves the engine in this
+process (``engines.ServedEngine``) to push into it over gloo."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from engines import EngineProcess, start_engine
+from engines import EngineProcess, ServedEngine, pushing, start_engine
+from safetensors.torch import load_file
 
 from pipeline.models.tiny import init_tiny_model
 from pipeline.producers.cpu_engine.prefix_cache import PrefixCache
@@ -67,9 +69,11 @@ async def _until(check: Callable[[], Awaitable[bool]], timeout_s: float = 30.0) 
 async def _long_generation(client: httpx.AsyncClient, url: str, prompt: list[int]) -> asyncio.Task[httpx.Response]:
     """A generation of ``LONG`` tokens, returned once it is decoding."""
     start = (await _load(client, url))["tokens_generated"]
-    task = asyncio.ensure_future(client.post(f"{url}/generate", json=_request(prompt, LONG)))
+    body = {**_request(prompt, LONG), "return_routed_experts": False}
+    task = asyncio.ensure_future(client.post(f"{url}/generate", json=body))
 
     async def decoding() -> bool:
+        assert not task.done(), f"the long generation ended early: {task.result().text}"
         return (await _load(client, url))["tokens_generated"] > start + 5
 
     await _until(decoding)
@@ -248,6 +252,52 @@ def test_a_new_generation_waits_at_the_gate_while_paused_until_continued(url: st
             assert answer["meta_info"]["completion_tokens"] == 4
 
     asyncio.run(scenario())
+
+
+def test_the_ordered_fast_path_pauses_before_it_would_need_the_lock_even_for_announcements_that_came_first(
+    tmp_path: Path,
+) -> None:
+    """sluice's own ordered push (``begin_window`` on bucket 0) while a generation runs: bucket 1 and the end arrive
+    before bucket 0, when the engine is not paused yet. Were they to decide on the lock as they arrive, they would
+    wait as writers for the generation, which bucket 0's pause then freezes. They decide at their turn, after the
+    pause: the push lands with the generation frozen, and the end continues it."""
+    served = ServedEngine(init_tiny_model("qwen3", tmp_path / "m", seed=0))
+    new = dict(load_file(str(init_tiny_model("qwen3", tmp_path / "new", seed=1) / "model.safetensors")))
+    gate, up = "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"
+
+    async def scenario() -> tuple[Any, ...]:
+        async with pushing(served.url) as (client, pusher), httpx.AsyncClient(timeout=120) as http:
+            generation = await _long_generation(http, served.url, [5, 6, 7, 12])
+
+            def announce(index: int, name: str, **extra: Any) -> asyncio.Future[Any]:
+                return asyncio.ensure_future(client.update_weights_from_distributed(
+                    names=[name], dtypes=["float32"], shapes=[list(new[name].shape)],
+                    group_name=pusher.group.group_name, flush_cache=False, weight_version=None, bucket_index=index,
+                    push_id="push-a", **extra))
+
+            second = announce(1, up)
+            end = asyncio.ensure_future(client.end_weight_update(push_id="push-a", buckets=2,
+                                                                 continue_generation=True))
+            await asyncio.sleep(0.3)
+            waiting = (not second.done(), not end.done(), served.engine.paused,
+                       (await _load(http, served.url))["model_update_writers_waiting"])
+            assert waiting == (True, True, False, 0)  # they wait for their window, not for the lock
+            first = announce(0, gate, begin_window=True)
+            await asyncio.to_thread(pusher.group.broadcast_all, [new[gate], new[up]])
+            replies = [await asyncio.wait_for(f, 10) for f in (first, second, end)]
+            answer = (await asyncio.wait_for(generation, 60)).json()
+            return replies, answer
+
+    try:
+        replies, answer = asyncio.run(scenario())
+        params = served.engine.model.state_dict()
+        landed = all(torch.equal(params[n], new[n]) for n in (gate, up))
+    finally:
+        served.stop()
+    assert all(r.success for r in replies), replies
+    assert landed
+    assert [s["version"] for s in answer["meta_info"]["weight_versions"]] == ["0"]  # no label in this push
+    assert answer["meta_info"]["completion_tokens"] == LONG
 
 
 # ---- /flush_cache and the prefix cache, on a real engine -------------------------------------------------------------
