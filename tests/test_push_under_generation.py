@@ -88,10 +88,10 @@ def test_pushes_while_generations_are_in_flight_never_deadlock_and_refused_flush
 def test_a_request_made_before_a_push_and_prefilled_after_it_never_reuses_the_old_prefix(
     engine: EngineProcess, model_dir: Path, other_weights: dict[str, torch.Tensor], tmp_path: Path
 ) -> None:
-    """A prompt cached under the old weights; then a push, and a request for the same prompt keyed by the client's
-    last-seen version (the old one: it was built before the client heard of the push). The engine prefills it under
-    the new weights; its log-probs must be those of the new weights from scratch, not of the new weights over the
-    old prompt's KV."""
+    """A prompt cached under the old weights; then a request for the same prompt made while a push has the engine
+    paused, keyed to the version the engine still says. The engine prefills it after the push, under the new
+    weights; its log-probs must be those of the new weights from scratch, not of the new weights over the old
+    prompt's KV."""
     from pipeline.models.tiny import init_tiny_model
 
     fresh_engine_dir = init_tiny_model("qwen3-moe", tmp_path / "fresh", seed=1)
@@ -111,10 +111,15 @@ def test_a_request_made_before_a_push_and_prefilled_after_it_never_reuses_the_ol
                 # old prefix, as SGLang's does in every async run.
                 running = asyncio.ensure_future(client.generate([6, 9, 12, 7], LONG))
                 await asyncio.sleep(0.1)
+                # The push has paused the engine (as the pusher does first) when the request is made: the engine
+                # still says the old version, so that is its key, and it waits at the gate until the push is done.
+                assert (await client.pause_generation("in_place")).success
+                made = asyncio.ensure_future(client.generate(prompt, GREEDY))
+                await asyncio.sleep(0.2)
+                assert not made.done()
                 stats = await pusher.push(other_weights.items(), "77")
                 assert stats.flush_refused == 1
-                # The client has not heard of version 77: its key is the old one.
-                after = await client.generate(prompt, GREEDY)
+                after = await made
                 retries = client.key_retries - before
                 await running
                 await pusher.push(_weights(model_dir).items(), "78")  # leave the shared engine as it was

@@ -290,6 +290,10 @@ class SGLangClient:
         shape = await self.routed_experts_shape() if return_routed_experts else None
         n = int(sampling_params.get("n", 1))
         keyed = await self._keys_prefix_cache()
+        if keyed:
+            # The engine's version now, one cheap round trip before a generation of seconds: the last answer's would
+            # be a push behind for the first request after every push (in a sync run, every group of a step).
+            self._label = (await self.model_info()).weight_version
         for attempt in range(_KEY_ATTEMPTS):
             if keyed:
                 body["extra_key"] = self._cache_key()
@@ -319,8 +323,8 @@ class SGLangClient:
                           "(each was prefilled under another version than its cache key); are pushes back to back?")
 
     def _cache_key(self) -> str:
-        """The request's prefix-cache namespace (SGLang's ``extra_key``): the engine's weight version as last seen,
-        so a request shares cached prefixes only with requests made under the same weights."""
+        """The request's prefix-cache namespace (SGLang's ``extra_key``): the engine's weight version as it said just
+        before the request, so a request shares cached prefixes only with requests made under the same weights."""
         return f"sluice-w{self._label}"
 
     def _keyed_right(self, key: str, results: Sequence[GenerateResult]) -> bool:
