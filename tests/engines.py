@@ -79,11 +79,11 @@ class ServedEngine:
     """The CPU engine's own ``Engine`` and HTTP app, served from a thread of this process (its own event loop), so
     that the test can read the engine's parameters and its loader's counters."""
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, **options: Any) -> None:
         from pipeline.producers.cpu_engine.config import CpuEngineConfig
         from pipeline.producers.cpu_engine.server import Engine
 
-        self.engine = Engine(CpuEngineConfig(model_path=str(model_dir)))
+        self.engine = Engine(CpuEngineConfig(model_path=str(model_dir), **options))
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._loop = asyncio.new_event_loop()

@@ -414,6 +414,11 @@ def test_weight_push_mid_generation_switches_version(model_dir: Path, tmp_path: 
                 )
                 while (await client.get(f"{engine.url}/get_load")).json()["tokens_generated"] < 40 + 50:
                     await asyncio.sleep(0.01)
+                # As the pusher does, and as SGLang needs: paused in place first, or the begin would take the
+                # model-update writer lock and wait for the generation to end.
+                assert (await client.post(f"{engine.url}/pause_generation", json={"mode": "in_place"})).json()[
+                    "success"
+                ]
                 assert (await client.post(f"{engine.url}/begin_weight_update", json={"selector": "all"})).json()[
                     "success"
                 ]
@@ -430,6 +435,7 @@ def test_weight_push_mid_generation_switches_version(model_dir: Path, tmp_path: 
                     },
                 )
                 assert (await client.post(f"{engine.url}/end_weight_update", json={})).json()["success"]
+                assert (await client.post(f"{engine.url}/continue_generation", json={})).json()["success"]
                 return update.json(), (await long_req).json()
 
         update, straddling = asyncio.run(straddle())
@@ -451,7 +457,9 @@ def test_weight_push_mid_generation_switches_version(model_dir: Path, tmp_path: 
         assert out[: min(switch, 40)] == before[: min(switch, 40)]
 
         assert engine.get("/model_info")["weight_version"] == "1"
-        after = engine.generate(_request(prompt, max_new_tokens=40))
+        # Keyed to the new version, as sluice's client keys it: the flush with the update came while the
+        # generation was paused in place and was refused, so the prompt's old KV is still cached under no key.
+        after = engine.generate({**_request(prompt, max_new_tokens=40), "extra_key": "w1"})
         assert after["meta_info"]["weight_versions"] == [{"version": "1", "start": 0, "end": 40}]
         assert after["output_ids"] != before
         ref = reference(new_model, prompt, after["output_ids"], 0.0)

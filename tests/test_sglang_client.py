@@ -251,7 +251,7 @@ def test_control_endpoints(engine: EngineProcess) -> None:
             info = await client.model_info()
             assert info.moe_layers is not None and info.topk is not None and info.weight_version
             assert (await client.flush_cache()).success
-            assert await client.prefix_cache() is False  # the CPU engine says so: a pusher need not flush it
+            assert await client.prefix_cache() is True  # the CPU engine keeps one, as SGLang does: a pusher flushes it
             assert (await client.pause_generation("in_place")).success
             # While paused, a request waits; it finishes once generation continues.
             waiting = asyncio.ensure_future(client.generate([4, 4, 4], GREEDY))
