@@ -18,10 +18,9 @@ import math
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
-
+from pipeline.config.metrics import MetricsConfig
 from pipeline.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -29,23 +28,6 @@ log = logging.getLogger(__name__)
 TENSORBOARD_DIR = "tensorboard"
 # Bookkeeping that is no curve: the step (an evaluator's version) is the x axis, the time every event's wall time.
 _SKIP = frozenset({"step", "time", "version"})
-
-
-class MetricsConfig(BaseModel):
-    """Where metrics go besides the JSONL files every process writes."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-    tensorboard: bool = True
-    """Mirror every process's metrics into RUN_DIR/tensorboard/<process>/ (``tensorboard --logdir`` on it)."""
-    wandb: bool = False
-    """Also log to Weights & Biases (needs ``pip install wandb``); one W&B run per process, grouped by run name."""
-    wandb_project: str = Field("sluice", min_length=1)
-    """The W&B project."""
-    wandb_mode: Literal["offline", "online"] = "offline"
-    """offline writes RUN_DIR/wandb/ for a later ``wandb sync``; online needs WANDB_API_KEY in the environment."""
-    producer_every_s: float = Field(10.0, gt=0, le=3600)
-    """How often each producer appends a line of its counters and throughput."""
 
 
 class ScalarSink(Protocol):

@@ -26,8 +26,9 @@ from conftest import make_group
 from engines import EngineProcess, free_port
 
 from pipeline.config import load_config
+from pipeline.config.producer import ProducerConfig, SamplingConfig
 from pipeline.errors import ConfigError
-from pipeline.producers.producer import Producer, ProducerConfig, SamplingConfig, load_tokenize, read_num_experts
+from pipeline.producers.producer import Producer, load_tokenize, read_num_experts
 from pipeline.producers.prompts import synthetic
 from pipeline.producers.sglang_client import NO_RETRY, EnginePool, ExponentialBackoff, Retry, SGLangClient
 from pipeline.queue.archive import ArchiveReader, load_index

@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 from conftest import make_group
 
+from pipeline.config.staleness import StalenessConfig
 from pipeline.consumers.drain import Drainer
 from pipeline.consumers.ledger import Ledger, LedgerLine, read_ledger
-from pipeline.consumers.staleness import StalenessConfig
 from pipeline.producers.prompts import PromptCursor
 from pipeline.queue.redis_streams import SampleQueue
 from pipeline.queue.sample import SampleStatus

@@ -44,7 +44,7 @@ def test_a_push_reaches_every_rank_of_a_tp2_engine_and_a_tp1_engine(model_dir: P
 
     async def scenario() -> tuple[Any, list[Any], list[Any]]:
         clients = [SGLangClient(e.url, retry=NO_RETRY) for e in engines]
-        rotation = await _connect_pusher(cfg, list(clients), tmp_path, model_dir)
+        rotation = await _connect_pusher(cfg.sync, list(clients), tmp_path, model_dir)
         try:
             world_size = rotation.pusher.group.world_size
             ranks = [(await c.model_info()).raw["weight_groups"] for c in clients]

@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 import redis
 
+from pipeline.config.eval import EvaluatorConfig
 from pipeline.consumers.evaluator import (
     ALL,
     EvalAggregate,
     Evaluator,
-    EvaluatorConfig,
     aggregate_groups,
     default_metrics_path,
     eval_key,

@@ -144,8 +144,8 @@ def test_a_restore_spends_the_pacing_slots_its_pushes_added_once(queue: SampleQu
     then let producers run 5 batches further ahead for the rest of the run, and the surplus was dropped as stale at
     step after step (32-848 stale samples per rolled-back trial, 0 without a fault). The drain spends those slots,
     once per restore, however often a trainer restarts."""
+    from pipeline.config.staleness import StalenessConfig
     from pipeline.consumers.drain import Drainer, record_restore
-    from pipeline.consumers.staleness import StalenessConfig
 
     rng = np.random.default_rng(4)
     queue.put_many([make_group(rng, 2, version=6) for _ in range(2)])

@@ -11,12 +11,13 @@ from conftest import make_group
 
 from pipeline import plugins
 from pipeline.config import load_config
+from pipeline.config.filters import FilterConfig
+from pipeline.config.staleness import StalenessConfig
 from pipeline.consumers.audit import audit_trainer
 from pipeline.consumers.drain import Drainer
-from pipeline.consumers.filters import FilterConfig, GroupFilters, resolve_filter
+from pipeline.consumers.filters import GroupFilters, resolve_filter
 from pipeline.consumers.ledger import Ledger, LedgerLine
 from pipeline.consumers.replay import ReplaySource
-from pipeline.consumers.staleness import StalenessConfig
 from pipeline.errors import ConfigError, SluiceError
 from pipeline.queue.redis_streams import SampleQueue
 from pipeline.queue.sample import Sample

@@ -104,12 +104,12 @@ def test_config_rules_name_the_fields() -> None:
     cfg = load_config(None, ["eval.heldout.enabled=true", "prompts.heldout=8", "eval.heldout.pass_k=[4, 1, 4]"])
     assert cfg.eval.heldout.pass_k == [1, 4]
     # The trainer and the evaluator resolve the same sampling: the producer's unless [eval.heldout] says otherwise.
-    s = HeldoutSettings.from_config(cfg)
+    s = HeldoutSettings.from_config(cfg.eval, cfg.producer)
     assert (s.temperature, s.max_new_tokens) == (cfg.producer.sampling.temperature,
                                                  cfg.producer.sampling.max_new_tokens)
-    s = HeldoutSettings.from_config(load_config(None, ["eval.heldout.enabled=true", "prompts.heldout=8",
-                                                       "eval.heldout.temperature=0.5",
-                                                       "eval.heldout.max_new_tokens=3"]))
+    cfg = load_config(None, ["eval.heldout.enabled=true", "prompts.heldout=8", "eval.heldout.temperature=0.5",
+                             "eval.heldout.max_new_tokens=3"])
+    s = HeldoutSettings.from_config(cfg.eval, cfg.producer)
     assert (s.temperature, s.max_new_tokens) == (0.5, 3)
 
 

@@ -11,9 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pipeline.config.staleness import StalenessConfig
 from pipeline.consumers.drain import Drainer, load_lineage, record_restore
 from pipeline.consumers.ledger import Ledger
-from pipeline.consumers.staleness import Lineage, StalenessConfig, decide_group, group_lag
+from pipeline.consumers.staleness import Lineage, decide_group, group_lag
 from pipeline.errors import SluiceError
 from pipeline.queue.redis_streams import SampleQueue
 

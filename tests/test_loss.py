@@ -12,10 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from pipeline.config.trainer import AdvantageConfig, CorrectionConfig, LossConfig
 from pipeline.consumers.loss import (
-    AdvantageConfig,
-    CorrectionConfig,
-    LossConfig,
     aggregate,
     entropy_from_logits,
     gather_logprobs,

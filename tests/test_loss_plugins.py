@@ -23,14 +23,13 @@ from train_samples import finish_ranks, start_ranks, synthetic_groups, tiny_moe 
 
 from pipeline import plugins  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
+from pipeline.config.trainer import CorrectionConfig, LossConfig, LossTermConfig, TrainStepConfig  # noqa: E402
 from pipeline.consumers.batch import collate  # noqa: E402
-from pipeline.consumers.loss import CorrectionConfig, LossConfig  # noqa: E402
-from pipeline.consumers.loss_config import LossTermConfig  # noqa: E402
 from pipeline.consumers.loss_plugins import LossInputs, LossPluginError  # noqa: E402
 from pipeline.consumers.megatron.config import ModelConfig, ParallelConfig  # noqa: E402
 from pipeline.consumers.megatron.convert import load_hf_into_megatron  # noqa: E402
 from pipeline.consumers.megatron.model import build_gpt_model, init_parallel  # noqa: E402
-from pipeline.consumers.train_step import TrainStep, TrainStepConfig  # noqa: E402
+from pipeline.consumers.train_step import TrainStep  # noqa: E402
 from pipeline.errors import ConfigError  # noqa: E402
 from pipeline.queue.redis_server import free_port  # noqa: E402
 

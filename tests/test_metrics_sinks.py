@@ -15,8 +15,9 @@ from tb import read_scalars
 from wandb_log import read_history
 
 from pipeline.config import load_config
+from pipeline.config.metrics import MetricsConfig
 from pipeline.errors import ConfigError
-from pipeline.metrics import MetricsConfig, check_metrics_config, open_sinks, scalars
+from pipeline.metrics import check_metrics_config, open_sinks, scalars
 
 
 def test_rows_become_tensorboard_scalars_at_their_step(tmp_path: Path) -> None:

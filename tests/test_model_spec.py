@@ -203,14 +203,14 @@ def test_the_trainer_refuses_a_spec_its_engines_cannot_run_at_start_up(hf: torch
     model, model_cfg = build(hf)
     cpu = load_config(overrides=[f'plugins.paths=["{ROOT / "examples"}"]', f'model.spec="{SPEC}"'])
     with pytest.raises(ConfigError, match=r"model\.spec.*head_gate.*CPU engine cannot run"):
-        check_spec_weights(cpu, model, model_cfg)
+        check_spec_weights(model, model_cfg, source=cpu.model, engine=cpu.engine)
     patched = cpu.model_copy(update={"model": cpu.model.model_copy(update={"engine_patch": PATCH})})
-    check_spec_weights(patched, model, model_cfg)  # the engines will run the gate (model.engine_patch)
+    check_spec_weights(model, model_cfg, source=patched.model, engine=patched.engine)  # the engines will run the gate (model.engine_patch)
     sglang = cpu.model_copy(update={"engine": cpu.engine.model_copy(update={"type": "sglang"})})
-    check_spec_weights(sglang, model, model_cfg)  # declared names: an SGLang model with the gate can take them
+    check_spec_weights(model, model_cfg, source=sglang.model, engine=sglang.engine)  # declared names: an SGLang model with the gate can take them
     undeclared, _ = build(hf, spec="user_specs:undeclared_gate")
     with pytest.raises(ConfigError, match="no HF name"):
-        check_spec_weights(sglang, undeclared, model_cfg)
+        check_spec_weights(undeclared, model_cfg, source=sglang.model, engine=sglang.engine)
 
 
 def test_a_single_layer_spec_is_used_for_every_layer(hf: torch.nn.Module) -> None:

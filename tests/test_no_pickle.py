@@ -20,12 +20,14 @@ import torch
 from engines import REPO_ROOT, EngineProcess, free_port, wait_healthy
 from nopickle import ENV_LOG, Unpickled, refusing_pickle
 
+from pipeline.config.eval import EvaluatorConfig
+from pipeline.config.producer import ProducerConfig, SamplingConfig
+from pipeline.config.staleness import StalenessConfig
 from pipeline.consumers.drain import Drainer
-from pipeline.consumers.evaluator import Evaluator, EvaluatorConfig
+from pipeline.consumers.evaluator import Evaluator
 from pipeline.consumers.ledger import Ledger
 from pipeline.consumers.replay import archive_records, stream_records
-from pipeline.consumers.staleness import StalenessConfig
-from pipeline.producers.producer import Producer, ProducerConfig, SamplingConfig, load_tokenize, read_num_experts
+from pipeline.producers.producer import Producer, load_tokenize, read_num_experts
 from pipeline.producers.prompts import synthetic
 from pipeline.producers.sglang_client import SGLangClient
 from pipeline.queue.archive import Archiver, ArchiveReader

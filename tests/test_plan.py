@@ -130,8 +130,8 @@ def test_a_dry_run_needs_a_config_json_but_no_weights(tmp_path: Path, capsys: py
     with pytest.raises(ConfigError, match="holds no config.json and hardware.hf_config is unset"):
         from pipeline.consumers.megatron.plan import dry_run_plan
 
-        dry_run_plan(load_config(recipe).model_copy(update={"hardware": load_config(recipe).hardware.model_copy(
-            update={"hf_config": None})}))
+        cfg = load_config(recipe)
+        dry_run_plan(cfg.trainer, cfg.model, cfg.hardware.model_copy(update={"hf_config": None}))
     # A folder with only its config.json is enough: weights are never opened.
     (tmp_path / "config.json").write_text((ROOT / "recipes" / "models" / "deepseek-v3.json").read_text())
     code, out, err = _dry_run(recipe, capsys, f"model.path={json.dumps(str(tmp_path))}")

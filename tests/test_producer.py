@@ -19,15 +19,9 @@ import pytest
 import torch
 from engines import EngineProcess, free_port, start_engine
 
+from pipeline.config.producer import ProducerConfig, SamplingConfig
 from pipeline.producers.base import GenerateResult
-from pipeline.producers.producer import (
-    Pacing,
-    Producer,
-    ProducerConfig,
-    SamplingConfig,
-    load_tokenize,
-    read_num_experts,
-)
+from pipeline.producers.producer import Pacing, Producer, load_tokenize, read_num_experts
 from pipeline.producers.prompts import ListPrompts, Prompt, PromptCursor, synthetic
 from pipeline.producers.sglang_client import NO_RETRY, EnginePool, ExponentialBackoff, SGLangClient
 from pipeline.queue.redis_streams import SampleQueue

@@ -14,8 +14,9 @@ from aiohttp import web
 from engines import EngineProcess
 
 from pipeline import plugins
-from pipeline.metrics import MetricsConfig
-from pipeline.producers.producer import Producer, ProducerConfig, SamplingConfig, load_tokenize, read_num_experts
+from pipeline.config.metrics import MetricsConfig
+from pipeline.config.producer import ProducerConfig, SamplingConfig
+from pipeline.producers.producer import Producer, load_tokenize, read_num_experts
 from pipeline.producers.prompts import synthetic
 from pipeline.producers.reporting import ProducerReporter
 from pipeline.producers.rewards import RewardScorer, setup_scorer

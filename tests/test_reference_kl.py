@@ -26,11 +26,11 @@ pytest.importorskip("megatron.core")
 
 from train_samples import synthetic_groups, tiny_moe  # noqa: E402
 
-from pipeline.consumers.loss import CorrectionConfig, LossConfig  # noqa: E402
+from pipeline.config.trainer import CorrectionConfig, LossConfig, TrainStepConfig  # noqa: E402
 from pipeline.consumers.megatron.config import ModelConfig, ParallelConfig  # noqa: E402
 from pipeline.consumers.megatron.convert import load_hf_into_megatron, megatron_to_hf_state_dict  # noqa: E402
 from pipeline.consumers.megatron.model import build_gpt_model, init_parallel  # noqa: E402
-from pipeline.consumers.train_step import TrainStep, TrainStepConfig, shard_groups  # noqa: E402
+from pipeline.consumers.train_step import TrainStep, shard_groups  # noqa: E402
 from pipeline.errors import ConfigError  # noqa: E402
 from pipeline.models.tiny import init_tiny_model  # noqa: E402
 from pipeline.queue.sample import Sample  # noqa: E402
@@ -176,10 +176,12 @@ def test_build_rank_builds_a_reference_only_for_a_kl_penalty(tiny: tuple[Path, M
     from pipeline.consumers.train_main import build_rank
 
     folder, _ = tiny
-    _, model, optimizer, plain = build_rank(SluiceConfig(), folder)
+    plain_cfg = SluiceConfig()
+    _, model, optimizer, plain = build_rank(folder, trainer=plain_cfg.trainer, run=plain_cfg.run, model=plain_cfg.model)
     assert plain.reference is None
     plain.close()
-    model_cfg, model, optimizer, step = build_rank(SluiceConfig(trainer={"loss": {"kl_coef": 0.2}}), folder)
+    kl = SluiceConfig(trainer={"loss": {"kl_coef": 0.2}})
+    model_cfg, model, optimizer, step = build_rank(folder, trainer=kl.trainer, run=kl.run, model=kl.model)
     reference = step.reference
     assert reference is not None and reference is not model
     assert all(not p.requires_grad for p in reference.parameters())

@@ -22,15 +22,9 @@ from engines import EngineProcess
 
 from pipeline import plugins
 from pipeline.config import load_config
+from pipeline.config.producer import ProducerConfig, SamplingConfig
 from pipeline.errors import ConfigError, SampleError
-from pipeline.producers.producer import (
-    Producer,
-    ProducerConfig,
-    SamplingConfig,
-    load_codec,
-    read_num_experts,
-    resolve_rollout,
-)
+from pipeline.producers.producer import Producer, load_codec, read_num_experts, resolve_rollout
 from pipeline.producers.prompts import Prompt, PromptCursor, synthetic
 from pipeline.producers.rollout import EnvTurn, ModelTurn, Trajectory
 from pipeline.producers.sglang_client import SGLangClient
@@ -168,10 +162,11 @@ def test_the_trainer_replaying_multi_turn_routing_reproduces_the_engines_logprob
     the log-prob the engine sampled it with; the same rows moved by one position (a row lost at a turn boundary)
     do not."""
     pytest.importorskip("megatron.core")
+    from pipeline.config.trainer import TrainStepConfig
     from pipeline.consumers.megatron.config import ModelConfig, ParallelConfig
     from pipeline.consumers.megatron.convert import load_hf_into_megatron
     from pipeline.consumers.megatron.model import build_gpt_model, init_parallel
-    from pipeline.consumers.train_step import TrainStep, TrainStepConfig
+    from pipeline.consumers.train_step import TrainStep
 
     model_cfg = ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()), dtype="float32")
     parallel = ParallelConfig(device="cpu")

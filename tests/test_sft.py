@@ -99,7 +99,7 @@ def test_batches_cover_every_pair_once_per_epoch_in_a_seeded_order() -> None:
 
 def test_the_default_data_is_the_training_split_and_a_jsonl_with_heldout_prompts_is_refused(tmp_path: Path) -> None:
     cfg = _config(tmp_path / "run", tmp_path / "model")
-    train = sft_prompts(cfg)
+    train = sft_prompts(cfg.warmstart, cfg.prompts)
     held = setup_heldout(cfg.prompts)
     split = setup_prompts(cfg.prompts)
     assert [p.text for p in train] == [split[i].text for i in range(len(split))]
@@ -108,10 +108,12 @@ def test_the_default_data_is_the_training_split_and_a_jsonl_with_heldout_prompts
     leaky = tmp_path / "sft.jsonl"
     leaky.write_text("\n".join(json.dumps({"prompt": p, "answer": "0"}) for p in ["1+2=", held[5].text]))
     with pytest.raises(ConfigError, match="1 prompts of the held-out split"):
-        sft_prompts(_config(tmp_path / "run", tmp_path / "model", f'warmstart.path="{leaky}"'))
+        leaky_cfg = _config(tmp_path / "run", tmp_path / "model", f'warmstart.path="{leaky}"')
+        sft_prompts(leaky_cfg.warmstart, leaky_cfg.prompts)
     clean = tmp_path / "clean.jsonl"
     clean.write_text(json.dumps({"prompt": "zz", "answer": "7"}))
-    got = sft_prompts(_config(tmp_path / "run", tmp_path / "model", f'warmstart.path="{clean}"'))
+    clean_cfg = _config(tmp_path / "run", tmp_path / "model", f'warmstart.path="{clean}"')
+    got = sft_prompts(clean_cfg.warmstart, clean_cfg.prompts)
     assert [(p.text, p.answer) for p in got] == [("zz", "7")]
 
 
@@ -123,7 +125,7 @@ def warm(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
 
     run_dir = tmp_path_factory.mktemp("sft") / "run"
     cfg = _config(run_dir, model_dir)
-    summary = run_warmstart(cfg, run_dir, model_dir)
+    summary = run_warmstart(run_dir, model_dir, warmstart=cfg.warmstart, prompts=cfg.prompts, run=cfg.run, model=cfg.model)
     return {"cfg": cfg, "run_dir": run_dir, "summary": summary}
 
 
@@ -155,7 +157,7 @@ def test_micro_batches_accumulate_to_the_whole_batch_gradient(warm: dict[str, An
     from pipeline.consumers.sft import build_sft_model
 
     cfg = warm["cfg"]
-    pairs = tokenize_pairs(sft_prompts(cfg)[:64], AutoTokenizer.from_pretrained(str(model_dir)), where="test")
+    pairs = tokenize_pairs(sft_prompts(cfg.warmstart, cfg.prompts)[:64], AutoTokenizer.from_pretrained(str(model_dir)), where="test")
     data = SFTData(pairs, pad_id=0)
     grads = []
     try:
@@ -229,7 +231,7 @@ def _train_until(warm: dict[str, Any], model_dir: Path, tmp_path: Path, pairs_co
     from pipeline.consumers.sft import build_sft_model, train_steps
 
     cfg = warm["cfg"]
-    pairs = tokenize_pairs(sft_prompts(cfg)[:pairs_count], AutoTokenizer.from_pretrained(str(model_dir)),
+    pairs = tokenize_pairs(sft_prompts(cfg.warmstart, cfg.prompts)[:pairs_count], AutoTokenizer.from_pretrained(str(model_dir)),
                            where="test")
     lines = [json.loads(x) for x in warmstart_metrics_path(warm["run_dir"]).read_text().splitlines()]
     target = (lines[0][metric] + lines[-1][metric]) / 2
@@ -264,7 +266,7 @@ def test_the_training_exact_match_is_what_greedy_decoding_gets_right(warm: dict[
 
     cfg, run_dir = warm["cfg"], warm["run_dir"]
     model_dir = warmstart_model_dir(run_dir)
-    prompts = sft_prompts(cfg)[:256]
+    prompts = sft_prompts(cfg.warmstart, cfg.prompts)[:256]
     pairs = tokenize_pairs(prompts, AutoTokenizer.from_pretrained(str(model_dir)), where="test")
     batch = SFTData(pairs, pad_id=0).batch(np.arange(len(pairs)))
     try:

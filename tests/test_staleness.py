@@ -9,10 +9,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from pipeline.config.staleness import StalenessConfig
 from pipeline.consumers.staleness import (
     Action,
     GroupVersions,
-    StalenessConfig,
     StalenessCounts,
     admission_budget,
     apply_policy,

@@ -18,13 +18,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from train_samples import synthetic_groups, tiny_moe  # noqa: E402
 
-from pipeline.consumers.loss import CorrectionConfig, LossConfig  # noqa: E402
+from pipeline.config.trainer import CorrectionConfig, LossConfig, LRScheduleConfig, TrainStepConfig  # noqa: E402
 from pipeline.consumers.megatron.config import ModelConfig, ParallelConfig  # noqa: E402
 from pipeline.consumers.megatron.convert import load_hf_into_megatron  # noqa: E402
 from pipeline.consumers.megatron.model import build_gpt_model, init_parallel  # noqa: E402
 from pipeline.consumers.optim import MasterWeightOptimizer  # noqa: E402
-from pipeline.consumers.schedule import LRScheduleConfig, lr_at  # noqa: E402
-from pipeline.consumers.train_step import TrainStep, TrainStepConfig  # noqa: E402
+from pipeline.consumers.schedule import lr_at  # noqa: E402
+from pipeline.consumers.train_step import TrainStep  # noqa: E402
 from pipeline.errors import ConfigError  # noqa: E402
 
 SIZES = [4, 4, 4, 4]

@@ -28,7 +28,7 @@ def test_the_push_casts_to_the_engines_dtype_and_halves_the_bytes_for_bf16(model
 
     async def push(url: str) -> tuple[Any, float, str]:
         client = SGLangClient(url, retry=NO_RETRY)
-        rotation = await _connect_pusher(cfg, [client], tmp_path, model_dir)
+        rotation = await _connect_pusher(cfg.sync, [client], tmp_path, model_dir)
         try:
             before = (await client.get_load()).total("weight_bytes_received")
             stats = await rotation.push(weights, 1)

@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeline.consumers.loss import AdvantageConfig, grpo_advantages
+from pipeline.config.trainer import AdvantageConfig
+from pipeline.consumers.loss import grpo_advantages
 from pipeline.consumers.megatron.router_replay import pad_routing, to_megatron_layers
 from pipeline.errors import ConfigError, SampleError
 from pipeline.queue.sample import Sample, SampleStatus

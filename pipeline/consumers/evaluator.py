@@ -55,8 +55,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import redis
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from pipeline.config.eval import EvaluatorConfig
 from pipeline.errors import ConfigError, QueueError
 from pipeline.metrics import ScalarSink
 from pipeline.queue.base import QueueEntry
@@ -73,44 +73,6 @@ UNKNOWN_VERSION = -1
 METRICS_FILE = "metrics.jsonl"
 
 StatKey = int | Literal["all"]
-
-
-class EvaluatorConfig(BaseModel):
-    """How the evaluator reads its group and judges a sample."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    group: str = Field(default="eval", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-    """Consumer group to read through; the aggregates are kept per group."""
-
-    consumer: str = Field(default="evaluator", min_length=1, max_length=128)
-    """Consumer name in the group; a restart under the same name re-reads its own pending entries at once."""
-
-    start: str = "0"
-    """Where a new group starts: "0" covers the history kept in the stream, "$" only entries added from now on."""
-
-    @field_validator("start")
-    @classmethod
-    def _check_start(cls, start: str) -> str:
-        ms, sep, seq = start.partition("-")
-        if start != "$" and not (ms.isdigit() and (not sep or seq.isdigit())):
-            raise ConfigError(f"evaluator start={start!r} is not '0', '$' or a stream id like '1700000000000-0'")
-        return start
-
-    pass_threshold: float = 0.0
-    """A sample without ``reward_info["pass"]`` passes when its reward is above this."""
-
-    batch_entries: int = Field(default=64, ge=1, le=10_000)
-    """Entries read, and committed in one atomic ack-and-count, per step."""
-
-    block_ms: int = Field(default=500, ge=1, le=60_000)
-    """How long one read waits for new entries (the loop's idle poll period)."""
-
-    claim_idle_ms: int = Field(default=60_000, ge=0, le=86_400_000)
-    """Entries another consumer of the group has held this long are taken over (that evaluator is presumed dead)."""
-
-    claim_interval_s: float = Field(default=30.0, gt=0, le=86_400)
-    """How often a running evaluator looks for entries left by dead peers."""
 
 
 # --------------------------------------------------------------------------------------------- pure aggregation

@@ -17,7 +17,7 @@ A weight travels with its group to the trainer (``Batch.group_weights``, then ``
 multiplies the token losses of the group's samples; the loss normaliser keeps counting their tokens unweighted, so a
 weight of 2 doubles that group's gradient and leaves every other group's as it was (docs/plugins.md).
 
-Light on purpose (no torch): the config imports it.
+The ``[filters]`` section and the filters' signature are ``pipeline.config.filters``.
 """
 
 from __future__ import annotations
@@ -29,33 +29,14 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
 
+from pipeline.config.filters import FILTER_SIGNATURE, FilterConfig
 from pipeline.errors import SluiceError
-from pipeline.plugins import Signature, resolve
+from pipeline.plugins import resolve
 from pipeline.queue.sample import Sample
 
 GroupFilterFn = Callable[[list[Sample]], Any]
 ZERO_VARIANCE = "zero_variance"
-
-
-class FilterConfig(BaseModel):
-    """The ``[filters]`` section: group filters applied to every drained group the staleness policy accepts."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    zero_variance: bool = False
-    """Drop groups whose rewards are all equal (zero GRPO advantage) and keep drawing until the batch is full."""
-    user: list[str] = []
-    """Filters 'package.module:function', each called with one group (list[Sample]) and returning True to keep it,
-    False to drop it, or a weight >= 0 that scales the group's loss (0 drops)."""
-    max_draw_factor: float | None = Field(default=None, ge=1.0, le=1000.0)
-    """Stop drawing for a step once filters removed this many times trainer.batch_groups groups, and train on the
-    groups kept so far (a smaller batch); None = draw until the batch is full. Near convergence most groups are all
-    right, and filling the batch would cost many times its generation (DAPO caps it with max_num_gen_batches)."""
-
-
-FILTER_SIGNATURE = Signature(args=([],), described="(group: list[Sample]) -> bool | float", awaitable=False)
 
 
 def resolve_filter(spec: str, field: str = "filters.user") -> GroupFilterFn:

@@ -51,8 +51,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-
+from pipeline.config.engine import EngineConfig
+from pipeline.config.eval import EvalConfig, EvaluatorConfig
+from pipeline.config.metrics import MetricsConfig
+from pipeline.config.model import ModelSource
+from pipeline.config.producer import BUILTIN_ROLLOUT, ProducerConfig
+from pipeline.config.prompts import PromptConfig
+from pipeline.config.root import root_to_sections
+from pipeline.config.run import PluginsConfig, RunConfig
+from pipeline.config.trainer import TrainStepConfig
 from pipeline.consumers.evaluator import default_metrics_path, reward_passed
 from pipeline.consumers.snapshots import SNAPSHOTS_DIR, is_done, list_snapshots, mark_done, snapshot_name
 from pipeline.errors import ConfigError, EngineError
@@ -60,7 +67,6 @@ from pipeline.metrics import ScalarSink, open_sinks
 from pipeline.models.spec import engine_patch_args
 
 if TYPE_CHECKING:
-    from pipeline.config import SluiceConfig
     from pipeline.producers.base import GenerateResult
     from pipeline.producers.prompts import Prompt
     from pipeline.producers.rewards import RewardFn, RewardScorer
@@ -70,70 +76,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 KIND = "heldout"
-
-
-class HeldoutConfig(BaseModel):
-    """Held-out evaluation by generation (``[eval.heldout]``): which versions, how many samples, which engine."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    enabled: bool = False
-    """Write weight snapshots and evaluate them on the held-out split (needs prompts.heldout or heldout_path)."""
-    live: bool = True
-    """Evaluate while the run goes, in the evaluator process; false only writes snapshots (`sluice eval --heldout`)."""
-    every_versions: int = Field(20, ge=1, le=1_000_000)
-    """Snapshot and evaluate every this many policy versions; version 0 and the run's last one always."""
-    samples: int = Field(4, ge=1, le=1024)
-    """Sampled responses per prompt (the n of pass@k), besides the one greedy response."""
-    pass_k: list[int] = Field(default_factory=lambda: [1, 4], min_length=1, max_length=32)
-    """The k of the reported pass@k figures, each between 1 and samples."""
-    temperature: float | None = Field(None, gt=0.0, le=10.0)
-    """Temperature of the sampled responses; None = producer.sampling.temperature (greedy is always evaluated too)."""
-    max_new_tokens: int | None = Field(None, ge=1, le=1_000_000)
-    """Longest response; None = producer.sampling.max_new_tokens."""
-    max_prompts: int | None = Field(None, ge=1, le=10_000_000)
-    """Evaluate only the first this many held-out prompts; None = the whole split."""
-    seed: int = Field(0, ge=0)
-    """Base sampling seed: sample j of held-out prompt i uses seed + i * samples + j."""
-    keep_snapshots: int = Field(3, ge=1, le=100_000)
-    """Snapshots kept on disk; older ones go once evaluated or skipped (with live = false, regardless)."""
-    engine_url: str | None = None
-    """An SGLang-protocol server used for evaluation only (required with engine.type = 'sglang'); None = a private
-    CPU engine the evaluator starts."""
-    max_batch: int = Field(32, ge=1, le=4096)
-    """Sequences the private CPU engine decodes together."""
-    concurrency: int = Field(16, ge=1, le=4096)
-    """Held-out prompts in flight at once (each one greedy and one sampled request)."""
-    poll_s: float = Field(2.0, gt=0, le=3600)
-    """How often a live evaluator looks for a new snapshot."""
-    nice: int = Field(10, ge=0, le=19)
-    """CPU priority drop (os.nice) of the evaluator process and its engine, so that they yield to the trainer."""
-    final_wait_s: float = Field(600.0, ge=0, le=86_400)
-    """How long `sluice run` waits after the last step for the final snapshot to be evaluated."""
-    startup_timeout_s: float = Field(120.0, gt=0, le=3600)
-    """How long to wait for the private engine's /health."""
-
-    @field_validator("pass_k")
-    @classmethod
-    def _sorted_unique(cls, ks: list[int]) -> list[int]:
-        if any(k < 1 for k in ks):
-            raise ConfigError(f"eval.heldout.pass_k={ks}: every k must be >= 1")
-        return sorted(set(ks))
-
-    @field_validator("engine_url")
-    @classmethod
-    def _check_url(cls, url: str | None) -> str | None:
-        if url is not None and not url.startswith(("http://", "https://")):
-            raise ConfigError(f"eval.heldout.engine_url={url!r} must be an http:// or https:// base URL")
-        return None if url is None else url.rstrip("/")
-
-    @model_validator(mode="after")
-    def _k_within_samples(self) -> HeldoutConfig:
-        too_big = [k for k in self.pass_k if k > self.samples]
-        if too_big:
-            raise ConfigError(f"eval.heldout.pass_k has k={too_big} above eval.heldout.samples={self.samples}: "
-                              "pass@k needs at least k samples per prompt; raise samples or lower pass_k")
-        return self
 
 
 # ------------------------------------------------------------------------------------------------ pure figures
@@ -260,13 +202,14 @@ class HeldoutSettings:
     concurrency: int = 16
 
     @classmethod
-    def from_config(cls, cfg: SluiceConfig) -> HeldoutSettings:
-        h, sp = cfg.eval.heldout, cfg.producer.sampling
+    def from_config(cls, evaluation: EvalConfig, producer: ProducerConfig) -> HeldoutSettings:
+        """``[eval.heldout]`` with the producer's sampling and the evaluator's pass rule filled in."""
+        h, sp = evaluation.heldout, producer.sampling
         return cls(samples=h.samples, pass_k=tuple(h.pass_k),
                    temperature=sp.temperature if h.temperature is None else h.temperature,
                    max_new_tokens=sp.max_new_tokens if h.max_new_tokens is None else h.max_new_tokens,
                    top_p=sp.top_p, top_k=sp.top_k, stop_token_ids=tuple(sp.stop_token_ids), seed=h.seed,
-                   pass_threshold=cfg.eval.pass_threshold, reward_timeout_s=cfg.producer.reward_timeout_s,
+                   pass_threshold=evaluation.pass_threshold, reward_timeout_s=producer.reward_timeout_s,
                    concurrency=h.concurrency)
 
 
@@ -470,8 +413,10 @@ class CheckpointExporter:
     weights are loaded into it (resharded from the trainer's TP/EP layout by megatron's dist-checkpointing).
     """
 
-    def __init__(self, cfg: SluiceConfig, model_dir: Path) -> None:
-        self.cfg, self.model_dir = cfg, model_dir
+    @root_to_sections(run="run", model="model", trainer="trainer")  # the export's call: pipeline/export.py
+    def __init__(self, model_dir: Path, *, run: RunConfig, model: ModelSource, trainer: TrainStepConfig) -> None:
+        self.model_dir = model_dir
+        self.seed, self.r3, self.spec = run.seed, trainer.r3, model.spec
         self._model: Any = None
         self._model_cfg: Any = None
 
@@ -493,10 +438,10 @@ class CheckpointExporter:
         torch.set_num_threads(1)
         hf_config = json.loads((self.model_dir / "config.json").read_text())
         self._model_cfg = ModelConfig.from_hf(hf_config)
-        init_parallel(ParallelConfig(), seed=self.cfg.run.seed)
+        init_parallel(ParallelConfig(), seed=self.seed)
         # The trainer's model.spec too: its checkpoints hold the user modules' weights, and the export must carry them.
-        self._model = build_gpt_model(self._model_cfg, ParallelConfig(), r3=self.cfg.trainer.r3,
-                                      spec=self.cfg.model.spec, hf_config=hf_config)
+        self._model = build_gpt_model(self._model_cfg, ParallelConfig(), r3=self.r3, spec=self.spec,
+                                      hf_config=hf_config)
 
     def close(self) -> None:
         if self._model is not None:
@@ -574,9 +519,9 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
 
 
-def _model_dir(run_dir: Path, cfg: SluiceConfig) -> Path:
+def _model_dir(run_dir: Path, source: ModelSource) -> Path:
     """The folder the private engine starts from: the run's model, else its first snapshot (both HF folders)."""
-    model = Path(cfg.model.path) if cfg.model.path is not None else run_dir / "model"
+    model = Path(source.path) if source.path is not None else run_dir / "model"
     if (model / "config.json").is_file():
         return model
     present = list_snapshots(run_dir / SNAPSHOTS_DIR)
@@ -587,19 +532,21 @@ def _model_dir(run_dir: Path, cfg: SluiceConfig) -> Path:
 
 
 @asynccontextmanager
-async def open_heldout(run_dir: str | Path, cfg: SluiceConfig) -> AsyncIterator[HeldoutEvaluator]:
+async def open_heldout(run_dir: str | Path, *, evaluation: EvalConfig, producer: ProducerConfig, prompts: PromptConfig,
+                       model: ModelSource, engine: EngineConfig, run: RunConfig, plugins: PluginsConfig,
+                       metrics: MetricsConfig) -> AsyncIterator[HeldoutEvaluator]:
     """A held-out evaluator of the run, with its engine (a private CPU engine unless ``eval.heldout.engine_url``)."""
-    from pipeline.producers.producer import BUILTIN_ROLLOUT, load_codec, load_tokenize, resolve_rollout
+    from pipeline.producers.producer import load_codec, load_tokenize, resolve_rollout
     from pipeline.producers.prompts import setup_heldout
     from pipeline.producers.rewards import resolve_reward, setup_scorer
     from pipeline.producers.sglang_client import SGLangClient
 
     run_dir = Path(run_dir)
-    h = cfg.eval.heldout
-    held = setup_heldout(cfg.prompts)
-    prompts = [held[i] for i in range(min(len(held), h.max_prompts or len(held)))]
-    model_dir = _model_dir(run_dir, cfg)
-    p = cfg.producer
+    h = evaluation.heldout
+    held = setup_heldout(prompts)
+    chosen = [held[i] for i in range(min(len(held), h.max_prompts or len(held)))]
+    model_dir = _model_dir(run_dir, model)
+    p = producer
     # The held-out split is scored as the producers score: a group judge sees each prompt's greedy and sampled
     # responses together, a reward service gets them in one request.
     scorer = setup_scorer(p) if p.group_reward is not None or p.reward_url is not None else None
@@ -609,16 +556,16 @@ async def open_heldout(run_dir: str | Path, cfg: SluiceConfig) -> AsyncIterator[
     url = h.engine_url
     if url is None:
         # Started from this (the loop's) thread, not a worker: PR_SET_PDEATHSIG fires when the creating thread ends.
-        private = PrivateEngine.start(model_dir, run_dir / "logs" / "heldout-engine.log", dtype=cfg.engine.dtype,
-                                      max_batch=h.max_batch, seed=cfg.run.seed, timeout_s=h.startup_timeout_s,
-                                      extra_args=engine_patch_args(cfg.model.engine_patch, cfg.plugins.paths))
+        private = PrivateEngine.start(model_dir, run_dir / "logs" / "heldout-engine.log", dtype=engine.dtype,
+                                      max_batch=h.max_batch, seed=run.seed, timeout_s=h.startup_timeout_s,
+                                      extra_args=engine_patch_args(model.engine_patch, plugins.paths))
         url = private.url
     client = SGLangClient(url)
-    scalars = open_sinks(run_dir, "evaluator", cfg.metrics, cfg.run.name)
+    scalars = open_sinks(run_dir, "evaluator", metrics, run.name)
     try:
-        yield HeldoutEvaluator(HeldoutSettings.from_config(cfg), engine=client, prompts=prompts,
+        yield HeldoutEvaluator(HeldoutSettings.from_config(evaluation, producer), engine=client, prompts=chosen,
                                tokenize=load_tokenize(model_dir), reward_fn=reward_fn,
-                               metrics_path=default_metrics_path(run_dir), run=cfg.run.name, scalars=scalars,
+                               metrics_path=default_metrics_path(run_dir), run=run.name, scalars=scalars,
                                rollout_fn=rollout_fn, codec=load_codec(model_dir) if rollout_fn else None)
     finally:
         scalars.close()
@@ -635,22 +582,28 @@ def lower_priority(nice: int) -> None:
         os.nice(nice)
 
 
-def evaluate_run(run_dir: str | Path, cfg: SluiceConfig, *, checkpoints: bool = False) -> list[dict[str, Any]]:
+@root_to_sections(evaluation="eval", producer="producer", prompts="prompts", model="model", engine="engine",
+                  run="run", plugins="plugins", metrics="metrics", trainer="trainer")  # pipeline/cli/evaluate.py's call
+def evaluate_run(run_dir: str | Path, *, evaluation: EvalConfig, producer: ProducerConfig, prompts: PromptConfig,
+                 model: ModelSource, engine: EngineConfig, run: RunConfig, plugins: PluginsConfig,
+                 metrics: MetricsConfig, trainer: TrainStepConfig, checkpoints: bool = False) -> list[dict[str, Any]]:
     """``sluice eval --run-dir DIR --heldout [--checkpoints]``: evaluate every snapshot (and, with ``checkpoints``,
-    every Megatron checkpoint) whose version has no held-out line, then return the new lines."""
+    every Megatron checkpoint) whose version has no held-out line, then return the new lines. ``trainer`` gives
+    the checkpoints' model its router-replay setting."""
     run_dir = Path(run_dir)
     root = run_dir / SNAPSHOTS_DIR
     if not list_snapshots(root) and not (checkpoints and run_checkpoints(run_dir)):
         raise ConfigError(f"{root} holds no weight snapshot (a run writes them with eval.heldout.enabled = true)"
                           + ("" if checkpoints else "; add --checkpoints to evaluate the run's checkpoints")
                           + ("; and the run has no checkpoint" if checkpoints else ""))
-    lower_priority(cfg.eval.heldout.nice)
+    lower_priority(evaluation.heldout.nice)
 
     async def main() -> list[dict[str, Any]]:
-        async with open_heldout(run_dir, cfg) as evaluator:
+        async with open_heldout(run_dir, evaluation=evaluation, producer=producer, prompts=prompts, model=model,
+                                engine=engine, run=run, plugins=plugins, metrics=metrics) as evaluator:
             lines = await evaluator.evaluate_pending(root)
             if checkpoints:
-                exporter = CheckpointExporter(cfg, _model_dir(run_dir, cfg))
+                exporter = CheckpointExporter(_model_dir(run_dir, model), run=run, model=model, trainer=trainer)
                 try:
                     lines += await evaluator.evaluate_checkpoints(run_dir, exporter)
                 finally:
@@ -660,15 +613,19 @@ def evaluate_run(run_dir: str | Path, cfg: SluiceConfig, *, checkpoints: bool = 
     return asyncio.run(main())
 
 
-def serve_evaluators(run_dir: str | Path, cfg: SluiceConfig, stop: threading.Event) -> None:
+@root_to_sections(evaluation="eval", producer="producer", prompts="prompts", model="model", engine="engine",
+                  run="run", plugins="plugins", metrics="metrics")  # pipeline/launch/processes.py's call
+def serve_evaluators(run_dir: str | Path, stop: threading.Event, *, evaluation: EvalConfig, producer: ProducerConfig,
+                     prompts: PromptConfig, model: ModelSource, engine: EngineConfig, run: RunConfig,
+                     plugins: PluginsConfig, metrics: MetricsConfig) -> None:
     """The launcher's evaluator process: the stream aggregator in a thread, live held-out evaluation here.
 
     Either one failing stops the other and raises, so the process exits non-zero and the launcher restarts it.
     """
-    from pipeline.consumers.evaluator import EvaluatorConfig, run_eval
+    from pipeline.consumers.evaluator import run_eval
 
     run_dir = Path(run_dir)
-    h = cfg.eval.heldout
+    h = evaluation.heldout
     live = h.enabled and h.live
     if live:
         lower_priority(h.nice)
@@ -676,8 +633,8 @@ def serve_evaluators(run_dir: str | Path, cfg: SluiceConfig, stop: threading.Eve
 
     def stream() -> None:
         try:
-            fields = cfg.eval.model_dump(exclude={"enabled", "heldout"})
-            scalars = open_sinks(run_dir, "eval-stream", cfg.metrics, cfg.run.name)
+            fields = evaluation.model_dump(exclude={"enabled", "heldout"})
+            scalars = open_sinks(run_dir, "eval-stream", metrics, run.name)
             try:
                 run_eval(run_dir=run_dir, config=EvaluatorConfig(**fields), stop=stop, scalars=scalars,
                          start_server=False)
@@ -687,13 +644,15 @@ def serve_evaluators(run_dir: str | Path, cfg: SluiceConfig, stop: threading.Eve
             errors.append(exc)
             stop.set()
 
-    thread = threading.Thread(target=stream, name="stream-eval", daemon=True) if cfg.eval.enabled else None
+    thread = threading.Thread(target=stream, name="stream-eval", daemon=True) if evaluation.enabled else None
     if thread is not None:
         thread.start()
     try:
         if live:
             async def main() -> None:
-                async with open_heldout(run_dir, cfg) as evaluator:
+                async with open_heldout(run_dir, evaluation=evaluation, producer=producer, prompts=prompts,
+                                        model=model, engine=engine, run=run, plugins=plugins,
+                                        metrics=metrics) as evaluator:
                     await evaluator.run_live(run_dir / SNAPSHOTS_DIR, stop, h.poll_s)
 
             asyncio.run(main())

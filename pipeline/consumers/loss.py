@@ -44,7 +44,7 @@ from typing import Literal
 
 import torch
 
-from pipeline.consumers.loss_config import AdvantageConfig, CorrectionConfig, LossConfig
+from pipeline.config.trainer import AdvantageConfig, CorrectionConfig, LossConfig
 from pipeline.errors import ConfigError, SampleError, SluiceError
 
 Tensor = torch.Tensor

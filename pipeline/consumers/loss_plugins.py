@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 import torch
 
-from pipeline.consumers.loss_config import LOSS_PLUGIN_SIGNATURE, LossConfig, plugin_name
+from pipeline.config.trainer import LOSS_PLUGIN_SIGNATURE, LossConfig, plugin_name
 from pipeline.errors import SluiceError
 from pipeline.plugins import resolve
 

@@ -26,8 +26,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from pipeline.config.trainer import TrainStepConfig
 from pipeline.consumers.schedule import set_lr
-from pipeline.consumers.train_config import TrainStepConfig
 from pipeline.errors import ConfigError
 
 log = logging.getLogger(__name__)

@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
+from pipeline.config.trainer import LossConfig, TrainStepConfig
 from pipeline.consumers.batch import TrainBatch
-from pipeline.consumers.loss import LossConfig, aggregate, kl_penalty, policy_loss
+from pipeline.consumers.loss import aggregate, kl_penalty, policy_loss
 from pipeline.consumers.loss_plugins import LossInputs, LossPlugins, local_units
 from pipeline.consumers.megatron.config import ModelConfig
 from pipeline.consumers.megatron.model import forward_logits, model_device
@@ -26,7 +27,6 @@ from pipeline.consumers.megatron.scoring import (
     replay_registry,
     score_tokens,
 )
-from pipeline.consumers.train_config import TrainStepConfig
 from pipeline.consumers.train_metrics import Accumulator
 from pipeline.errors import ConfigError
 

@@ -15,10 +15,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.config.filters import FilterConfig
+from pipeline.config.staleness import StalenessConfig
 from pipeline.consumers.drain import Batch, judge_group
-from pipeline.consumers.filters import FilterConfig, GroupFilters
+from pipeline.consumers.filters import GroupFilters
 from pipeline.consumers.ledger import Ledger
-from pipeline.consumers.staleness import StalenessConfig
 from pipeline.consumers.trainer import LocalClock
 from pipeline.errors import ConfigError, SampleDecodeError
 from pipeline.queue.sample import Sample

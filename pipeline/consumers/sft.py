@@ -33,11 +33,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pipeline.config import SluiceConfig
+from pipeline.config.model import ModelSource
+from pipeline.config.prompts import PromptConfig
+from pipeline.config.root import root_to_sections
+from pipeline.config.run import RunConfig
+from pipeline.config.warmstart import WarmStartConfig
 from pipeline.consumers.schedule import lr_at, set_lr
 from pipeline.consumers.sft_config import (
     DONE_FILE,
-    WarmStartConfig,
     format_summary,
     warmstart_dir,
     warmstart_metrics_path,
@@ -290,27 +293,28 @@ def train_steps(trainer: SFTTrainer, metrics_path: Path) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------------------------------------------ prompts
-def sft_prompts(cfg: SluiceConfig) -> list[Prompt]:
+def sft_prompts(warmstart: WarmStartConfig, prompts: PromptConfig) -> list[Prompt]:
     """The warm start's pairs: warmstart.path, else the training split of [prompts]; never the held-out split."""
-    path = cfg.warmstart.path
+    path = warmstart.path
     if path is None:
-        return _prompt_list(setup_prompts(cfg.prompts))
-    prompts = _prompt_list(load_jsonl(path))
-    if cfg.prompts.has_heldout:
-        held = {(p.text, p.input_ids) for p in _prompt_list(setup_heldout(cfg.prompts))}
-        leaked = [p.prompt_id for p in prompts if (p.text, p.input_ids) in held]
+        return _prompt_list(setup_prompts(prompts))
+    pairs = _prompt_list(load_jsonl(path))
+    if prompts.has_heldout:
+        held = {(p.text, p.input_ids) for p in _prompt_list(setup_heldout(prompts))}
+        leaked = [p.prompt_id for p in pairs if (p.text, p.input_ids) in held]
         if leaked:
             raise ConfigError(f"warmstart.path {path} holds {len(leaked)} prompts of the held-out split (e.g. "
                               f"{leaked[0]!r}); remove them, since held-out prompts are never trained on")
-    return prompts
+    return pairs
 
 
-def measure_prompts(cfg: SluiceConfig, train: Sequence[Prompt]) -> tuple[list[Prompt], str]:
+def measure_prompts(warmstart: WarmStartConfig, prompts: PromptConfig,
+                    train: Sequence[Prompt]) -> tuple[list[Prompt], str]:
     """(the first warmstart.eval_prompts prompts of the held-out split, else of the training pairs; the split)."""
-    if cfg.prompts.has_heldout:
-        held = setup_heldout(cfg.prompts)
-        return [held[i] for i in range(min(cfg.warmstart.eval_prompts, len(held)))], "heldout"
-    return list(train[:cfg.warmstart.eval_prompts]), "train"
+    if prompts.has_heldout:
+        held = setup_heldout(prompts)
+        return [held[i] for i in range(min(warmstart.eval_prompts, len(held)))], "heldout"
+    return list(train[:warmstart.eval_prompts]), "train"
 
 
 # ---------------------------------------------------------------------------------------------------- measurement
@@ -439,10 +443,13 @@ def _write_done(out: Path, summary: dict[str, Any]) -> None:
     os.replace(tmp, out / DONE_FILE)
 
 
-def run_warmstart(cfg: SluiceConfig, run_dir: Path, base_model: Path) -> dict[str, Any]:
+# The root is still handed over by pipeline/cli/train.py and pipeline/launch/processes.py.
+@root_to_sections(warmstart="warmstart", prompts="prompts", run="run", model="model")
+def run_warmstart(run_dir: Path, base_model: Path, *, warmstart: WarmStartConfig, prompts: PromptConfig,
+                  run: RunConfig, model: ModelSource) -> dict[str, Any]:
     """Supervised training of ``base_model`` into ``run_dir``: checkpoint, HF model, metrics, then the done marker.
 
-    Uses ``cfg.warmstart`` whether or not it is enabled (``enabled`` only tells ``sluice run`` to call this).
+    Uses ``warmstart`` whether or not it is enabled (``enabled`` only tells ``sluice run`` to call this).
     Initialises and tears down a one-process torch.distributed world. Returns the summary written to ``done.json``:
     steps, pairs, final_loss, final_token_accuracy and final_exact_match (means over the last metrics window),
     steps_per_s, phase_seconds (setup, train, save, eval), seconds (the whole call), eval (exact_match, stop_rate,
@@ -454,23 +461,23 @@ def run_warmstart(cfg: SluiceConfig, run_dir: Path, base_model: Path) -> dict[st
     from pipeline.consumers.megatron.model import shutdown_parallel
     from pipeline.consumers.train_main import export_hf_model
 
-    ws = cfg.warmstart
+    ws = warmstart
     start = time.perf_counter()
     run_dir = Path(run_dir)
     out = _clear_outputs(run_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(base_model))
-    prompts = sft_prompts(cfg)
+    train = sft_prompts(warmstart, prompts)
     where = str(ws.path) if ws.path is not None else "the training split of [prompts]"
-    pairs = tokenize_pairs(prompts, tokenizer, where=where)
+    pairs = tokenize_pairs(train, tokenizer, where=where)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     data = SFTData(pairs, pad)
     try:
-        model, model_cfg, own_dtype = build_sft_model(base_model, cfg.run.seed, cfg.model.spec)
+        megatron_model, model_cfg, own_dtype = build_sft_model(base_model, run.seed, model.spec)
         if data.max_length > model_cfg.max_position_embeddings:
             raise ConfigError(f"{where} has pairs of {data.max_length} tokens, longer than the model's "
                               f"max_position_embeddings={model_cfg.max_position_embeddings}; shorten them")
         writer = _start_writer_warm_up()
-        trainer = SFTTrainer(model, data, ws)
+        trainer = SFTTrainer(megatron_model, data, ws)
         clock = time.perf_counter()
         seconds = {"setup": clock - start}
         last = train_steps(trainer, warmstart_metrics_path(run_dir))
@@ -478,11 +485,11 @@ def run_warmstart(cfg: SluiceConfig, run_dir: Path, base_model: Path) -> dict[st
         clock = time.perf_counter()
         if writer is not None:
             writer.finish()
-        save_checkpoint(out / "checkpoint", model, trainer.optimizer,
+        save_checkpoint(out / "checkpoint", megatron_model, trainer.optimizer,
                         meta={"kind": "warmstart", "step": trainer.steps_done, "policy_version": 0})
         if own_dtype != torch.float32:
-            model.to(own_dtype)
-        export_hf_model(model, model_cfg, base_model, warmstart_model_dir(run_dir))
+            megatron_model.to(own_dtype)
+        export_hf_model(megatron_model, model_cfg, base_model, warmstart_model_dir(run_dir))
         seconds["save"] = time.perf_counter() - clock
     finally:
         shutdown_parallel()
@@ -495,7 +502,7 @@ def run_warmstart(cfg: SluiceConfig, run_dir: Path, base_model: Path) -> dict[st
     }
     if ws.eval_prompts:
         clock = time.perf_counter()
-        held, split = measure_prompts(cfg, prompts)
+        held, split = measure_prompts(warmstart, prompts, train)
         summary["eval"] = {**greedy_exact_match(warmstart_model_dir(run_dir), held), "split": split}
         seconds["eval"] = time.perf_counter() - clock
     summary["seconds"] = time.perf_counter() - start

@@ -35,7 +35,7 @@ from pipeline.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
-    from pipeline.consumers.heldout import HeldoutConfig
+    from pipeline.config.eval import HeldoutConfig
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,18 @@ from typing import Any
 
 import torch
 
-from pipeline.config import SluiceConfig
+from pipeline.config.engine import EngineConfig
+from pipeline.config.eval import HeldoutConfig
+from pipeline.config.filters import FilterConfig
+from pipeline.config.hooks import HooksConfig
+from pipeline.config.metrics import MetricsConfig
+from pipeline.config.model import ModelSource
+from pipeline.config.queue import QueueConfig
+from pipeline.config.root import root_to_sections
+from pipeline.config.run import RunConfig
+from pipeline.config.staleness import StalenessConfig
+from pipeline.config.sync import SyncConfig
+from pipeline.config.trainer import TrainerConfig
 from pipeline.consumers.drain import Drainer
 from pipeline.consumers.hooks import HookRunner
 from pipeline.consumers.ledger import Ledger
@@ -26,7 +37,8 @@ from pipeline.sync.base import WeightUpdateEngine
 log = logging.getLogger(__name__)
 
 
-def build_rank(cfg: SluiceConfig, model_dir: Path) -> tuple[Any, Any, Any, Any]:
+def build_rank(model_dir: Path, *, trainer: TrainerConfig, run: RunConfig, model: ModelSource
+               ) -> tuple[Any, Any, Any, Any]:
     """(model config, megatron model, optimizer, train step) for this rank; initialises torch.distributed.
 
     With ``trainer.loss.kl_coef > 0`` a second, frozen model with the same layout holds the starting weights as the
@@ -43,24 +55,29 @@ def build_rank(cfg: SluiceConfig, model_dir: Path) -> tuple[Any, Any, Any, Any]:
 
     hf_config = json.loads((model_dir / "config.json").read_text())
     model_cfg = ModelConfig.from_hf(hf_config)
-    parallel = ParallelConfig(tp=cfg.trainer.tp, ep=cfg.trainer.ep)
-    check_layout(model_cfg, parallel, cfg.trainer.world_size)
-    init_parallel(parallel, seed=cfg.run.seed)
-    model = build_gpt_model(model_cfg, parallel, r3=cfg.trainer.r3, spec=cfg.model.spec, hf_config=hf_config)
-    load_hf_into_megatron(model, model_dir, model_cfg)
+    parallel = ParallelConfig(tp=trainer.tp, ep=trainer.ep)
+    check_layout(model_cfg, parallel, trainer.world_size)
+    init_parallel(parallel, seed=run.seed)
+    megatron_model = build_gpt_model(model_cfg, parallel, r3=trainer.r3, spec=model.spec, hf_config=hf_config)
+    load_hf_into_megatron(megatron_model, model_dir, model_cfg)
     reference = None
-    if cfg.trainer.loss.kl_coef > 0:
+    if trainer.loss.kl_coef > 0:
         # The KL anchor is the starting weights, so it is never checkpointed: a resume rebuilds it from model_dir.
-        reference = build_gpt_model(model_cfg, parallel, r3=cfg.trainer.r3, spec=cfg.model.spec, hf_config=hf_config)
+        reference = build_gpt_model(model_cfg, parallel, r3=trainer.r3, spec=model.spec, hf_config=hf_config)
         load_hf_into_megatron(reference, model_dir, model_cfg)
-    step_cfg = cfg.trainer.model_copy(update={"pad_token_id": int(hf_config.get("pad_token_id") or 0)})
-    step = TrainStep(model, model_cfg, step_cfg, reference=reference, total_steps=cfg.trainer.steps)
-    return model_cfg, model, step.optimizer, step
+    step_cfg = trainer.model_copy(update={"pad_token_id": int(hf_config.get("pad_token_id") or 0)})
+    step = TrainStep(megatron_model, model_cfg, step_cfg, reference=reference, total_steps=trainer.steps)
+    return model_cfg, megatron_model, step.optimizer, step
 
 
-def run_trainer(run_dir: Path, cfg: SluiceConfig, model_dir: Path,
-                engines: Sequence[WeightUpdateEngine] | Callable[[], Sequence[WeightUpdateEngine]] | None = None
-                ) -> None:
+@root_to_sections(run="run", model="model", engine="engine", trainer="trainer", staleness="staleness",
+                  filters="filters", queue="queue", sync="sync", heldout="eval.heldout", metrics="metrics",
+                  hooks="hooks")  # the trainer process's call: pipeline/launch/processes.py
+def run_trainer(run_dir: Path, model_dir: Path,
+                engines: Sequence[WeightUpdateEngine] | Callable[[], Sequence[WeightUpdateEngine]] | None = None, *,
+                run: RunConfig, model: ModelSource, engine: EngineConfig, trainer: TrainerConfig,
+                staleness: StalenessConfig, filters: FilterConfig, queue: QueueConfig, sync: SyncConfig,
+                heldout: HeldoutConfig, metrics: MetricsConfig, hooks: HooksConfig) -> None:
     """Train this rank until ``trainer.steps`` or a stop; rank 0 also drains the queue and pushes weights to engines.
 
     ``engines`` may be a call that waits for them: it is made once the model is built, so that the build overlaps
@@ -73,48 +90,47 @@ def run_trainer(run_dir: Path, cfg: SluiceConfig, model_dir: Path,
 
     from pipeline.consumers.megatron.convert import iter_hf_weights
 
-    model_cfg, model, optimizer, step = build_rank(cfg, model_dir)
-    if engines is not None or cfg.eval.heldout.enabled:
+    model_cfg, megatron_model, optimizer, step = build_rank(model_dir, trainer=trainer, run=run, model=model)
+    if engines is not None or heldout.enabled:
         # Every rank checks, so that all refuse together (only rank 0 is handed the engines; the others get []).
-        check_spec_weights(cfg, model, model_cfg)
+        check_spec_weights(megatron_model, model_cfg, source=model, engine=engine)
     rank = dist.get_rank()
     loop = asyncio.new_event_loop()
-    source = clock = ledger = pusher = snapshots = scalars = hooks = None
+    source = clock = ledger = pusher = snapshots = scalars = runner = None
     if rank == 0:
         from pipeline.queue.rundir import open_run
 
-        handle = open_run(run_dir=run_dir, redis_url=cfg.queue.redis_url, capacity=cfg.queue.capacity,
-                          start_server=False)
+        handle = open_run(run_dir=run_dir, redis_url=queue.redis_url, capacity=queue.capacity, start_server=False)
         ledger = Ledger(run_dir / "ledger")
-        source = Drainer(handle.queue, ledger, cfg.staleness, filters=cfg.filters, consumer="trainer-0",
-                         block_ms=cfg.trainer.drain_block_ms, claim_idle_ms=cfg.queue.claim_idle_ms,
+        source = Drainer(handle.queue, ledger, staleness, filters=filters, consumer="trainer-0",
+                         block_ms=trainer.drain_block_ms, claim_idle_ms=queue.claim_idle_ms,
                          min_groups=ps.get_data_parallel_world_size())
         clock = RedisClock(handle.queue)
         members = engines() if callable(engines) else engines
         if members:
-            pusher = loop.run_until_complete(_connect_pusher(cfg, members, run_dir, model_dir))
-        if cfg.eval.heldout.enabled:
-            snapshots = SnapshotWriter.for_run(run_dir, model_dir, cfg.eval.heldout, clock.get())
-        scalars = open_sinks(run_dir, "trainer", cfg.metrics, cfg.run.name)
-        hooks = HookRunner.from_config(cfg.hooks)
+            pusher = loop.run_until_complete(_connect_pusher(sync, members, run_dir, model_dir))
+        if heldout.enabled:
+            snapshots = SnapshotWriter.for_run(run_dir, model_dir, heldout, clock.get())
+        scalars = open_sinks(run_dir, "trainer", metrics, run.name)
+        runner = HookRunner.from_config(hooks)
 
     def export() -> Iterator[tuple[str, torch.Tensor]]:
         # Views of the live parameters where no gather or conversion made a new tensor: the trainer packs or clones
         # them before the next optimizer step can change them (Trainer.push_weights).
-        yield from iter_hf_weights(model, model_cfg)
+        yield from iter_hf_weights(megatron_model, model_cfg)
 
-    settings = TrainerSettings(steps=cfg.trainer.steps, batch_groups=cfg.trainer.batch_groups,
-                               checkpoint_every=cfg.trainer.checkpoint_every,
-                               keep_checkpoints=cfg.trainer.keep_checkpoints, run_dir=run_dir,
-                               overlap_push=cfg.trainer.overlap_push, profile_steps=cfg.trainer.profile_steps)
-    trainer = Trainer(settings, model=model, optimizer=optimizer, step_fn=step, export_weights=export,
-                      source=source, clock=clock, ledger=ledger, pusher=pusher, loop=loop,
-                      dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
-                      snapshots=snapshots, scalars=scalars, hooks=hooks)
+    settings = TrainerSettings(steps=trainer.steps, batch_groups=trainer.batch_groups,
+                               checkpoint_every=trainer.checkpoint_every,
+                               keep_checkpoints=trainer.keep_checkpoints, run_dir=run_dir,
+                               overlap_push=trainer.overlap_push, profile_steps=trainer.profile_steps)
+    driver = Trainer(settings, model=megatron_model, optimizer=optimizer, step_fn=step, export_weights=export,
+                     source=source, clock=clock, ledger=ledger, pusher=pusher, loop=loop,
+                     dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
+                     snapshots=snapshots, scalars=scalars, hooks=runner)
     try:
-        trainer.train()
+        driver.train()
     finally:
-        trainer.close()
+        driver.close()
         if snapshots is not None:
             snapshots.close()  # the final snapshot must be on disk before the launcher sees this rank finish
         # The interpreter's last collection at exit would walk every object megatron and torch made: about 5 s on
@@ -122,54 +138,54 @@ def run_trainer(run_dir: Path, cfg: SluiceConfig, model_dir: Path,
         gc.freeze()
 
 
-def check_spec_weights(cfg: SluiceConfig, model: Any, model_cfg: Any) -> None:
+def check_spec_weights(model: Any, model_cfg: Any, *, source: ModelSource, engine: EngineConfig) -> None:
     """Refuse, at start-up rather than at the first push, a run whose ``model.spec`` adds weights its engines cannot
     receive: weights without HF names, or any added weights when engines are sluice's CPU engine without a
     ``model.engine_patch`` (it serves the plain HF architecture, so it could neither load nor run them; the held-out
-    evaluator's engine is one too)."""
+    evaluator's engine is one too). ``source`` is the recipe's ``[model]``, ``model`` the built megatron model."""
     from pipeline.consumers.megatron.convert import check_exportable
 
-    if cfg.model.spec is None:
+    if source.spec is None:
         return
     added = check_exportable(model, model_cfg)
     if not added:
         return
     shown = ", ".join(sorted(added.values())[:4]) + (" ..." if len(added) > 4 else "")
-    if cfg.engine.type == "cpu" and cfg.model.engine_patch is None:
+    if engine.type == "cpu" and source.engine_patch is None:
         raise ConfigError(
-            f"model.spec = {cfg.model.spec!r} adds weights ({shown}) that sluice's CPU engine cannot run: it serves "
+            f"model.spec = {source.spec!r} adds weights ({shown}) that sluice's CPU engine cannot run: it serves "
             "the plain HF architecture, so its samples would come from a different policy than the one trained. "
             "Set model.engine_patch to a function that adds the same modules to the engine's transformers model, "
             "use engine.type = 'sglang' with servers whose model has them, or train offline (`sluice replay`)"
         )
-    if cfg.engine.type == "cpu":
+    if engine.type == "cpu":
         return  # the patched CPU engines check every pushed name against their model before receiving it
     log.warning("model.spec adds weights %s: the SGLang servers must run a model that has them (a server that does "
                 "not refuses the first weight push)", shown)
 
 
-async def _connect_pusher(cfg: SluiceConfig, engines: Sequence[WeightUpdateEngine], run_dir: Path,
+async def _connect_pusher(sync: SyncConfig, engines: Sequence[WeightUpdateEngine], run_dir: Path,
                           model_dir: Path) -> Any:
     """The push to the engines, routed around one that fails and re-syncing one that comes back
     (``pipeline.sync.rotation``), in the engines' dtype (``sync.dtype``)."""
     from pipeline.sync.pusher import WeightPusher, engines_dtype, engines_tp
     from pipeline.sync.rotation import EngineRotation
 
-    backend = cfg.sync.backend if cfg.sync.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
-    port = cfg.sync.master_port  # 0: the pusher binds a port of the OS's choosing, then tells the engines
+    backend = sync.backend if sync.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
+    port = sync.master_port  # 0: the pusher binds a port of the OS's choosing, then tells the engines
     # The engines connect to this rank's store: at the address its host reported, where other nodes reach it.
     address = os.environ.get("SLUICE_NODE_IP", "127.0.0.1")
 
     async def connect(members: list[WeightUpdateEngine]) -> WeightPusher:
         # Asked again at every rebuild: an engine that came back may have been started with another dtype.
-        dtype = cfg.sync.dtype if cfg.sync.dtype != "auto" else await engines_dtype(members, model_dtype(model_dir))
+        dtype = sync.dtype if sync.dtype != "auto" else await engines_dtype(members, model_dtype(model_dir))
         # Every TP rank of an engine joins the group: ranks 1 + sum(tp before it) on, world 1 + sum(tp).
         ranks = await engines_tp(members)
         return await WeightPusher.connect(
-            members, master_address=address, master_port=port, backend=backend, timeout_s=cfg.sync.timeout_s,
+            members, master_address=address, master_port=port, backend=backend, timeout_s=sync.timeout_s,
             ranks_per_engine=ranks,
-            bucket_bytes=cfg.sync.bucket_mb * 2**20 if cfg.sync.bucket_mb else None, dtype=dtype,
-            flat=cfg.sync.wire == "flat", stall_timeout_s=cfg.sync.stall_timeout_s,
+            bucket_bytes=sync.bucket_mb * 2**20 if sync.bucket_mb else None, dtype=dtype,
+            flat=sync.wire == "flat", stall_timeout_s=sync.stall_timeout_s,
         )
 
     def discover(known: list[WeightUpdateEngine]) -> list[WeightUpdateEngine]:
@@ -190,8 +206,11 @@ def model_dtype(model_dir: Path) -> str | None:
     return name if name in ("bfloat16", "float16", "float32") else None
 
 
-def run_replay(cfg: SluiceConfig, model_dir: Path, source: Path, id_range: tuple[str | None, str | None] | None,
-               out_dir: Path) -> Path:
+@root_to_sections(run="run", model="model", trainer="trainer", staleness="staleness", filters="filters",
+                  metrics="metrics", hooks="hooks")  # the CLI's call: pipeline/cli/train.py
+def run_replay(model_dir: Path, source: Path, id_range: tuple[str | None, str | None] | None, out_dir: Path, *,
+               run: RunConfig, model: ModelSource, trainer: TrainerConfig, staleness: StalenessConfig,
+               filters: FilterConfig, metrics: MetricsConfig, hooks: HooksConfig) -> Path:
     """Train on a recording (archive or run stream) into ``out_dir``; returns the trained model's HF folder."""
     from megatron.core import parallel_state as ps
 
@@ -202,33 +221,33 @@ def run_replay(cfg: SluiceConfig, model_dir: Path, source: Path, id_range: tuple
     from pipeline.consumers.trainer import LocalClock
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    model_cfg, model, optimizer, step = build_rank(cfg, model_dir)
+    model_cfg, megatron_model, optimizer, step = build_rank(model_dir, trainer=trainer, run=run, model=model)
     from pipeline.consumers.megatron.convert import check_exportable
 
-    check_exportable(model, model_cfg)  # the trained model is exported at the end: refuse now, not after training
+    check_exportable(megatron_model, model_cfg)  # the trained model is exported at the end: refuse now, not later
     ledger = Ledger(out_dir / "ledger")
     latest = latest_checkpoint(out_dir / "checkpoints")
     start = int(read_checkpoint_meta(latest)["policy_version"]) if latest else first_version(source, id_range)
-    settings = TrainerSettings(steps=cfg.trainer.steps, batch_groups=cfg.trainer.batch_groups,
-                               checkpoint_every=cfg.trainer.checkpoint_every,
-                               keep_checkpoints=cfg.trainer.keep_checkpoints, run_dir=out_dir,
-                               profile_steps=cfg.trainer.profile_steps)
+    settings = TrainerSettings(steps=trainer.steps, batch_groups=trainer.batch_groups,
+                               checkpoint_every=trainer.checkpoint_every,
+                               keep_checkpoints=trainer.keep_checkpoints, run_dir=out_dir,
+                               profile_steps=trainer.profile_steps)
     clock = LocalClock(start)
-    trainer = Trainer(settings, model=model, optimizer=optimizer, step_fn=step, export_weights=lambda: iter(()),
-                      source=ReplaySource(open_records(source, id_range), cfg.staleness, ledger, clock,
-                                          filters=cfg.filters),
-                      clock=clock, ledger=ledger,
-                      dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
-                      scalars=open_sinks(out_dir, "trainer", cfg.metrics, cfg.run.name)
-                      if torch.distributed.get_rank() == 0 else None,
-                      hooks=HookRunner.from_config(cfg.hooks) if torch.distributed.get_rank() == 0 else None)
+    driver = Trainer(settings, model=megatron_model, optimizer=optimizer, step_fn=step,
+                     export_weights=lambda: iter(()),
+                     source=ReplaySource(open_records(source, id_range), staleness, ledger, clock, filters=filters),
+                     clock=clock, ledger=ledger,
+                     dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
+                     scalars=open_sinks(out_dir, "trainer", metrics, run.name)
+                     if torch.distributed.get_rank() == 0 else None,
+                     hooks=HookRunner.from_config(hooks) if torch.distributed.get_rank() == 0 else None)
     try:
-        trainer.train()
-        if trainer.step == 0:
+        driver.train()
+        if driver.step == 0:
             raise ConfigError(f"replay of {source} trained nothing: no group passed the staleness policy")
-        export_hf_model(model, model_cfg, model_dir, out_dir / "model")
+        export_hf_model(megatron_model, model_cfg, model_dir, out_dir / "model")
     finally:
-        trainer.close()
+        driver.close()
         shutdown_parallel()
     return out_dir / "model"
 

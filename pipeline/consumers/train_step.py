@@ -65,6 +65,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pipeline.config.trainer import TrainStepConfig
 from pipeline.consumers.batch import (
     RoutingShape,
     TrainBatch,
@@ -78,7 +79,6 @@ from pipeline.consumers.megatron.expert_bias import update_expert_bias
 from pipeline.consumers.optim import Updater, build_updater
 from pipeline.consumers.passes import Norms, Passes
 from pipeline.consumers.schedule import lr_at
-from pipeline.consumers.train_config import TrainStepConfig
 from pipeline.consumers.train_metrics import Accumulator, final_metrics
 from pipeline.errors import ConfigError, SampleError
 from pipeline.queue.sample import Sample

@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import plugins
+from pipeline.config.model import SPEC_SIGNATURE
 from pipeline.errors import ConfigError
 from pipeline.models.config import ModelConfig
-from pipeline.plugins import Signature
 
 FIELD = "model.spec"
 HF_WEIGHTS_ATTR = "hf_weights"
@@ -53,13 +53,6 @@ class SpecContext:
 
 
 ENGINE_PATCH_FIELD = "model.engine_patch"
-ENGINE_PATCH_SIGNATURE = Signature(args=(None,), described="(hf_model: transformers.PreTrainedModel) -> None",
-                                   awaitable=False)
-"""``model.engine_patch``: called on the CPU engine's transformers model right after it loads, to give it the
-modules (and the weights, under their ``hf_weights`` names) that ``model.spec`` gives the trainer's model."""
-
-SPEC_SIGNATURE = Signature(args=(None,), described="(context: SpecContext) -> ModuleSpec | TransformerBlockSubmodules",
-                           awaitable=False)
 
 
 def engine_patch_args(patch: str | None, paths: Sequence[str | Path]) -> list[str]:

@@ -27,20 +27,13 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from pipeline.config.producer import BUILTIN_ROLLOUT, ROLLOUT_SIGNATURE, ProducerConfig
+from pipeline.config.prompts import PromptConfig
 from pipeline.errors import ConfigError, EngineError, SampleError
 from pipeline.producers.base import EngineClient
-from pipeline.producers.prompts import Prompt, PromptConfig, PromptCursor, PromptSource, setup_prompts
-from pipeline.producers.rewards import RewardConfig, RewardFn, RewardOutcome, RewardScorer, SampleScorer, setup_scorer
-from pipeline.producers.rollout import (
-    BUILTIN_ROLLOUT,
-    ROLLOUT_SIGNATURE,
-    RolloutContext,
-    RolloutEngine,
-    RolloutFn,
-    TextCodec,
-    Trajectory,
-    single_turn,
-)
+from pipeline.producers.prompts import Prompt, PromptCursor, PromptSource, setup_prompts
+from pipeline.producers.rewards import RewardFn, RewardOutcome, RewardScorer, SampleScorer, setup_scorer
+from pipeline.producers.rollout import RolloutContext, RolloutEngine, RolloutFn, TextCodec, Trajectory, single_turn
 from pipeline.producers.sglang_client import NO_RETRY, EnginePool, EngineRequestError, SGLangClient
 from pipeline.queue.keys import RunKeys, parse_slot_item
 from pipeline.queue.redis_streams import SampleQueue
@@ -114,55 +107,6 @@ return #items
 _STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
 
 Tokenize = Callable[[str], Sequence[int]]
-
-
-class SamplingConfig(BaseModel):
-    """Sampling parameters sent to the engine with every request."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    temperature: float = Field(default=1.0, ge=0.0, le=10.0)
-    """Sampling temperature; the trainer must score log-probs at the same temperature."""
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    """Nucleus sampling mass."""
-    top_k: int = Field(default=-1, ge=-1)
-    """Top-k cut-off; -1 disables it."""
-    max_new_tokens: int = Field(default=32, ge=1)
-    """Longest response."""
-    stop_token_ids: list[int] = []
-    """Tokens that end a response besides EOS."""
-    ignore_eos: bool = False
-    """Keep generating past EOS (benchmarks use it to fix response lengths)."""
-    seed: int | None = Field(default=None, ge=0)
-    """Base sampling seed; prompt index i gets seed + i * group_size (+ j for sample j), so a retry repeats itself."""
-
-
-class ProducerConfig(RewardConfig):
-    """One producer process (its reward fields come from ``RewardConfig``)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    group_size: int = Field(default=4, ge=1, le=1024)
-    """Samples per prompt (the GRPO group)."""
-    concurrency: int = Field(default=4, ge=1, le=4096)
-    """Prompt groups in flight at once."""
-    sampling: SamplingConfig = SamplingConfig()
-    """Sampling parameters."""
-    return_routed_experts: bool = True
-    """Ask engines for MoE routing (needed for R3); ignored for dense models."""
-    rollout: str = BUILTIN_ROLLOUT
-    """'package.module:function': the async rollout function that turns a prompt into its group's trajectories
-    (multi-turn, tools); the default is the built-in single request (``pipeline.producers.rollout``)."""
-    rollout_timeout_s: float = Field(default=600.0, gt=0)
-    """A rollout function running longer fails its group (counted in rollouts_failed; the prompt is skipped)."""
-    put_timeout_s: float = Field(default=600.0, gt=0)
-    """How long to wait on queue backpressure before failing."""
-    admission_poll_s: float = Field(default=0.05, gt=0)
-    """How often to re-check admission while paced."""
-    engine_retry_s: float = Field(default=1.0, ge=0)
-    """After no engine could serve a group, how long its slot stays idle before another group may start."""
-    lease_ttl_s: float = Field(default=30.0, ge=0.5, le=3600.0)
-    """A producer silent this long counts as dead: another producer hands its in-flight prompts back."""
 
 
 @dataclass

@@ -12,13 +12,16 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import redis
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
+from pipeline.config.prompts import SYNTHETIC_TASK_SPACES, PromptConfig
 from pipeline.errors import ConfigError
-from pipeline.queue.keys import RunKeys, parse_slot_item, slot_item
+
+if TYPE_CHECKING:
+    import redis
+
+# Nothing heavy at the top (Redis, the queue, Arrow): reward and rollout plug-ins import ``Prompt`` from here, and a
+# recipe imports them when it loads. ``PromptCursor`` imports the queue's key helpers where it uses them.
 
 
 @dataclass(frozen=True)
@@ -143,15 +146,16 @@ class _Task:
     make: Callable[[int, int], tuple[str, str]]
     prefix: str
     space: Callable[[int], int]
-    """Number of distinct prompts for a digit count."""
+    """Number of distinct prompts for a digit count (the recipe checks sizes against it before anything starts)."""
 
 
+_SPACE = SYNTHETIC_TASK_SPACES
 SYNTHETIC_TASKS: dict[str, _Task] = {
-    "addition": _Task(_addition, "add", lambda d: 10 ** (2 * d)),
-    "multiplication": _Task(_multiplication, "mul", lambda d: 10 ** (2 * d)),  # "37*45=" -> "1665" (tool use)
-    "increment": _Task(_increment, "inc", lambda d: 10**d),
-    "copy": _Task(_copy, "copy", lambda d: 10 ** (d + 2)),
-    "reverse": _Task(_reverse, "rev", lambda d: 10 ** (d + 1)),
+    "addition": _Task(_addition, "add", _SPACE["addition"]),
+    "multiplication": _Task(_multiplication, "mul", _SPACE["multiplication"]),  # "37*45=" -> "1665" (tool use)
+    "increment": _Task(_increment, "inc", _SPACE["increment"]),
+    "copy": _Task(_copy, "copy", _SPACE["copy"]),
+    "reverse": _Task(_reverse, "rev", _SPACE["reverse"]),
 }
 
 
@@ -186,43 +190,6 @@ def synthetic_split(
 def synthetic(task: str, size: int = 1024, digits: int = 2, seed: int = 0) -> ListPrompts:
     """A deterministic synthetic task (the same seed gives the same prompts) of distinct exact-match prompts."""
     return synthetic_split(task, size, 0, digits, seed)[0]
-
-
-class PromptConfig(BaseModel):
-    """Where prompts come from, and the held-out split the evaluator generates on (never trained on)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    type: Literal["synthetic", "jsonl", "parquet"] = "synthetic"
-    """The kind of source."""
-    path: Path | None = None
-    """File to read (jsonl, parquet)."""
-    task: str = "addition"
-    """Synthetic task: addition, multiplication, increment, copy or reverse."""
-    size: int = Field(1024, ge=1)
-    """Number of synthetic training prompts (all distinct)."""
-    digits: int = Field(2, ge=1, le=9)
-    """Difficulty of synthetic prompts."""
-    seed: int = Field(0, ge=0)
-    """Seed of synthetic prompts (and of the split)."""
-    heldout: int = Field(0, ge=0, le=1_000_000)
-    """Prompts set aside for held-out evaluation: synthetic ones are distinct from every training prompt; from a
-    file, the last ``heldout`` records. 0 = no held-out split (unless heldout_path is given)."""
-    heldout_path: Path | None = None
-    """A separate held-out file (jsonl or parquet, by suffix); the training file is then used whole."""
-
-    @model_validator(mode="after")
-    def _check_heldout(self) -> PromptConfig:
-        if self.heldout_path is not None and self.heldout:
-            raise ConfigError("prompts.heldout_path and prompts.heldout both name a held-out split; give one of them")
-        if self.heldout_path is not None and self.heldout_path.suffix not in (".jsonl", ".parquet"):
-            raise ConfigError(f"prompts.heldout_path {self.heldout_path} must end in .jsonl or .parquet")
-        return self
-
-    @property
-    def has_heldout(self) -> bool:
-        """Whether the config names a held-out split."""
-        return bool(self.heldout) or self.heldout_path is not None
 
 
 def _load_file(kind: str, path: Path | None) -> ListPrompts:
@@ -272,6 +239,8 @@ class PromptCursor:
     """
 
     def __init__(self, client: redis.Redis, run: str) -> None:
+        from pipeline.queue.keys import RunKeys
+
         keys = RunKeys(run)
         self.redis = client
         self.cursor_key = keys.prompt_cursor
@@ -284,6 +253,8 @@ class PromptCursor:
 
     def take(self) -> tuple[int, int, bool]:
         """(prompt index, times the trainer requeued it, whether it is a retry)."""
+        from pipeline.queue.keys import parse_slot_item
+
         retry = self.redis.lpop(self.retry_key)
         if retry is not None:
             index, requeues = parse_slot_item(retry)
@@ -292,6 +263,8 @@ class PromptCursor:
 
     def give_back(self, index: int, requeues: int = 0) -> None:
         """Hand a prompt index back so the next producer tries it again."""
+        from pipeline.queue.keys import slot_item
+
         self.redis.rpush(self.retry_key, slot_item(index, requeues))
 
     def position(self) -> int:
@@ -300,4 +273,6 @@ class PromptCursor:
 
     def retries(self) -> list[tuple[int, int]]:
         """The handed-back prompts waiting, in the order they will be taken: (index, requeues)."""
+        from pipeline.queue.keys import parse_slot_item
+
         return [parse_slot_item(x) for x in self.redis.lrange(self.retry_key, 0, -1)]

@@ -15,7 +15,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from pipeline.metrics import MetricsConfig, open_sinks
+from pipeline.config.metrics import MetricsConfig
+from pipeline.metrics import open_sinks
 from pipeline.producers.producer import Producer
 
 

@@ -26,7 +26,6 @@ import inspect
 import json
 import logging
 import math
-import os
 import re
 import threading
 import time
@@ -36,10 +35,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-
+from pipeline.config.producer import GROUP_REWARD_SIGNATURE, REWARD_SIGNATURE, RewardConfig, expand_env
 from pipeline.errors import ConfigError, SluiceError
-from pipeline.plugins import Signature, resolve
+from pipeline.plugins import resolve
 from pipeline.producers.prompts import Prompt
 
 if TYPE_CHECKING:
@@ -97,10 +95,6 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
 
 
 _INLINE = frozenset(BUILTIN_REWARDS.values())
-
-
-REWARD_SIGNATURE = Signature(args=(None, ""), described="(prompt, response_text)")
-GROUP_REWARD_SIGNATURE = Signature(args=(None, []), described="(prompt, responses: list[str])")
 
 
 def resolve_reward(spec: str, field: str = "producer.reward") -> RewardFn:
@@ -214,103 +208,6 @@ def _json_safe(info: Any) -> dict[str, Any]:
     for k, v in info.items():
         out[str(k)] = v if isinstance(v, (bool, int, float, str)) or v is None else str(v)
     return out
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Configuration
-# --------------------------------------------------------------------------------------------------------------------
-
-ENV_PREFIX = "env:"
-"""A ``reward_url`` or ``reward_headers`` value ``env:NAME`` is read from the environment variable NAME, so that a
-secret stays out of the recipe and of ``RUN_DIR/config.json``."""
-_PASSED_PREFIX = "SLUICE_"  # only these variables reach the run's processes (pipeline.launch.launcher._env)
-
-
-def _env_ref(value: str, field: str) -> str | None:
-    """The variable ``value`` names (``env:NAME``), checked; None for a literal value."""
-    if not value.startswith(ENV_PREFIX):
-        return None
-    name = value[len(ENV_PREFIX):]
-    if not name.startswith(_PASSED_PREFIX) or not name.replace("_", "").isalnum():
-        raise ValueError(f"{field} = {value!r}: name a variable SLUICE_*, e.g. 'env:SLUICE_REWARD_TOKEN' (only "
-                         "SLUICE_* variables reach the run's processes)")
-    if name not in os.environ:
-        raise ValueError(f"{field} = {value!r}: the environment variable {name} is not set; export it before "
-                         "starting sluice")
-    return name
-
-
-def expand_env(value: str) -> str:
-    """``value``, or the environment variable it names when it is ``env:NAME``."""
-    return os.environ[value[len(ENV_PREFIX):]] if value.startswith(ENV_PREFIX) else value
-
-
-class RewardConfig(BaseModel):
-    """How a producer scores its samples: a per-sample function, a group function, or an HTTP reward service."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    reward: str = "exact_match"
-    """Built-in reward name or 'package.module:function', called with (prompt, response_text) for each sample."""
-    group_reward: str | None = None
-    """'package.module:function' called once per prompt group with (prompt, responses: list[str]), returning one
-    float (or (float, info)) per response: pairwise, ranking or generative judges. Replaces producer.reward."""
-    reward_url: str | None = None
-    """http(s) URL of a reward service, POSTed one JSON request per group (docs/plugins.md). Replaces
-    producer.reward. 'env:SLUICE_NAME' reads it from that environment variable (use that when it holds a password)."""
-    reward_headers: dict[str, str] = {}
-    """HTTP headers sent to reward_url; a value 'env:SLUICE_NAME' is read from that environment variable, so a token
-    (Authorization = 'env:SLUICE_REWARD_TOKEN') is never written to the run's files or logs."""
-    reward_timeout_s: float = Field(default=30.0, gt=0)
-    """One reward call (a sample's, a group's, one HTTP attempt) running longer marks its samples failed (an HTTP
-    attempt is retried)."""
-    reward_concurrency: int = Field(default=64, ge=1, le=65536)
-    """Reward calls in flight at once across all the producer's groups (function calls or HTTP requests)."""
-    reward_retries: int = Field(default=3, ge=0, le=100)
-    """HTTP attempts repeated after a connection error, a timeout or a 5xx answer, before the group's samples are
-    marked failed."""
-    reward_backoff_s: float = Field(default=0.2, ge=0, le=60)
-    """Sleep after the first failed HTTP attempt; it doubles after each further one (capped at 30 s, jittered)."""
-
-    @field_validator("reward_url")
-    @classmethod
-    def _http_url(cls, url: str | None) -> str | None:
-        if url is None or _env_ref(url, "producer.reward_url") is not None:
-            return url
-        from pipeline.queue.connection import has_secret
-
-        if not url.startswith(("http://", "https://")):
-            raise ValueError("producer.reward_url must start with http:// or https://")
-        if has_secret(url) or urlsplit(url).query:
-            # The resolved config is written to RUN_DIR/config.json and printed by --dry-run: no password in it, and
-            # no query string, where services take their API keys.
-            raise ValueError("producer.reward_url holds a password or a query string (which may hold a key), which "
-                             "would be written to RUN_DIR/config.json; "
-                             "set reward_url = 'env:SLUICE_REWARD_URL' and export the URL in that variable, or pass "
-                             "the credential as a header (reward_headers = {Authorization = "
-                             "'env:SLUICE_REWARD_TOKEN'})")
-        return url
-
-    @field_validator("reward_headers")
-    @classmethod
-    def _header_refs(cls, headers: dict[str, str]) -> dict[str, str]:
-        for name, value in headers.items():
-            _env_ref(value, f"producer.reward_headers.{name}")
-        return headers
-
-    @model_validator(mode="after")
-    def _one_source(self) -> RewardConfig:
-        chosen = [f for f, on in (("producer.group_reward", self.group_reward is not None),
-                                  ("producer.reward_url", self.reward_url is not None)) if on]
-        default = type(self).model_fields["reward"].default
-        if self.reward != default:
-            chosen.insert(0, "producer.reward")
-        if len(chosen) > 1:
-            raise ValueError(f"{' and '.join(chosen)} are both set; a producer scores with one of them (leave "
-                             f"producer.reward at its default {default!r} with group_reward or reward_url)")
-        if self.reward_headers and self.reward_url is None:
-            raise ValueError("producer.reward_headers is only sent to producer.reward_url, which is not set")
-        return self
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -40,12 +40,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from pipeline.errors import EngineError, SampleError
-from pipeline.plugins import Signature
 from pipeline.producers.base import EngineClient, GenerateResult
 from pipeline.producers.prompts import Prompt
-
-BUILTIN_ROLLOUT = "pipeline.producers.rollout:single_turn"
-ROLLOUT_SIGNATURE = Signature(args=(None,), described="(ctx: RolloutContext) -> list[Trajectory]", awaitable=True)
 
 # Later turns of a seeded trajectory get seeds of their own, far from every sample's first-turn seed (seed + j).
 _TURN_SEED_STRIDE = 1_000_003

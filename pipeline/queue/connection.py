@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit
+from urllib.parse import urlsplit
 
 import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
 from pipeline.errors import QueueError
+from pipeline.urls import has_secret as has_secret  # the rules live in a leaf the recipe schema shares
+from pipeline.urls import is_redacted as is_redacted
+from pipeline.urls import redact_url
 
 #: Transient failures (a restart, a failover, a dropped socket, a server loading its AOF) are retried with backoff;
 #: anything else propagates. Twelve tries wait about 15 s in all: long enough for `sluice run` to restart a dead
@@ -18,53 +21,6 @@ DEFAULT_RETRY = Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=12,
                       supported_errors=(redis.ConnectionError, redis.TimeoutError))
 #: For probes that must answer at once (is a server up yet?).
 NO_RETRY = Retry(NoBackoff(), retries=0)
-
-
-#: Query parameters redis-py reads from a URL that hold a secret (``ssl_password`` unlocks an encrypted client key).
-SECRET_QUERY_KEYS = frozenset({"password", "ssl_password"})
-
-
-def has_secret(url: str) -> bool:
-    """Whether the URL carries a credential: a password in its user part or in its query."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return True  # unparseable: treat it as secret, it is never shown
-    return parts.password is not None or any(k in SECRET_QUERY_KEYS for k, _ in parse_qsl(parts.query))
-
-
-def redact_url(url: str) -> str:
-    """The URL with every password (user part and query) replaced by '***', for logs, files and messages."""
-    try:
-        parts = urlsplit(url)
-        password = parts.password
-    except ValueError:
-        return "<unparseable redis url>"
-    netloc = parts.netloc
-    if password is not None:
-        user = parts.username or ""
-        host = parts.hostname or ""
-        if parts.port:
-            host = f"{host}:{parts.port}"
-        netloc = f"{user}:***@{host}" if user else f":***@{host}"
-    query = parts.query
-    pairs = parse_qsl(query, keep_blank_values=True)
-    if any(k in SECRET_QUERY_KEYS for k, _ in pairs):
-        query = urlencode([(k, "***" if k in SECRET_QUERY_KEYS else v) for k, v in pairs], safe="*/:")
-    # Rebuilt by hand: urlunsplit drops the '//' of a URL with an empty host part (``unix:///path``).
-    tail = (f"?{query}" if query else "") + (f"#{parts.fragment}" if parts.fragment else "")
-    return f"{parts.scheme}://{netloc}{parts.path}{tail}"
-
-
-def is_redacted(url: str) -> bool:
-    """Whether the URL is one ``redact_url`` produced from a URL with a secret (so the secret must come from
-    elsewhere)."""
-    try:
-        parts = urlsplit(url)
-        return parts.password == "***" or any(
-            k in SECRET_QUERY_KEYS and v == "***" for k, v in parse_qsl(parts.query))
-    except ValueError:
-        return False
 
 
 def connect(url: str, **kwargs: Any) -> redis.Redis:

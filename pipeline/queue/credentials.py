@@ -16,7 +16,8 @@ import stat
 from pathlib import Path
 
 from pipeline.errors import ConfigError
-from pipeline.queue.connection import has_secret, is_redacted, redact_url
+from pipeline.queue.connection import is_redacted
+from pipeline.urls import public_url as public_url
 
 SECRET_FILE = ".redis-url"
 ENV_URL = "SLUICE_REDIS_URL"
@@ -82,11 +83,6 @@ def resolve_url(run_dir: Path | None, url: str | None, given: str | None = None)
     raise ConfigError(f"the run{where} uses a password-protected Redis ({url}); its launcher's credential file "
                       f"({SECRET_FILE}) exists only while `sluice run` runs, so pass the URL with --redis or "
                       f"{ENV_URL}")
-
-
-def public_url(url: str | None) -> str | None:
-    """What may be written to a run's files: the URL with its secrets redacted."""
-    return None if url is None else (redact_url(url) if has_secret(url) else url)
 
 
 #: The commands sluice's processes and `sluice queue`/`sluice eval` send, found by running a whole `sluice run`

@@ -24,67 +24,19 @@ over EP x ETP ranks, where megatron sets the expert-tensor-parallel size ETP to 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
+from pipeline.config.hardware import HardwareConfig
+from pipeline.config.model import ModelSource
+from pipeline.config.root import root_to_sections
+from pipeline.config.trainer import TrainerConfig
 from pipeline.errors import ConfigError
 from pipeline.models.config import ModelConfig
 
-if TYPE_CHECKING:
-    from pipeline.config import SluiceConfig
-
 GIB = 1 << 30
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-_WEIGHT_VERSION = re.compile(r"--weight-version[ =](\d+)(\s|$)")
-
-
-class HardwareConfig(BaseModel):
-    """What a GPU recipe runs on, for the dry run's memory plan and checks (a CPU recipe leaves it unset)."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-    gpu: str | None = None
-    """The accelerator the recipe expects, e.g. 'H200 SXM 141GB' (printed with the plan)."""
-    gpu_memory_gib: float | None = Field(None, gt=0, le=4096)
-    """Memory of one GPU; set, the dry run refuses a layout whose per-rank estimate does not fit."""
-    usable_fraction: float = Field(0.9, gt=0, le=1)
-    """Share of gpu_memory_gib a rank may plan to use (the CUDA context, NCCL buffers and fragmentation take the
-    rest)."""
-    gpus_per_node: int = Field(8, ge=1, le=1024)
-    """GPUs per node."""
-    trainer_nodes: int | None = Field(None, ge=1, le=100_000)
-    """Nodes of trainer ranks; must give trainer.world_size GPUs."""
-    engine_nodes: int | None = Field(None, ge=1, le=100_000)
-    """Nodes of SGLang engines (each runs sglang_launch)."""
-    hf_config: Path | None = None
-    """An HF config.json of the model, read when model.path holds none (the dry run needs no weights)."""
-    seq_len: int | None = Field(None, ge=1, le=1 << 22)
-    """Longest sample (prompt + response) in tokens, for the activation estimate when trainer.micro_batch_tokens is
-    unset; None: the model's max_position_embeddings (an upper bound)."""
-    sglang_launch: str | None = None
-    """The command that starts each SGLang engine; it must return routed experts (R3) and name an integer weight
-    version (sluice's policy versions are integers)."""
-
-    @model_validator(mode="after")
-    def _check_launch(self) -> HardwareConfig:
-        cmd = self.sglang_launch
-        if cmd is None:
-            return self
-        problems = []
-        if "--enable-return-routed-experts" not in cmd.split():
-            problems.append("it lacks --enable-return-routed-experts (R3 replays the routing the engines return)")
-        if not _WEIGHT_VERSION.search(cmd):
-            problems.append("it lacks an integer --weight-version (e.g. --weight-version 0): sluice's policy "
-                            "versions are integers, and the engines report the version of every token")
-        if problems:
-            raise ValueError("hardware.sglang_launch: " + "; ".join(problems))
-        return self
-
-
 @dataclass(frozen=True)
 class Layout:
     """Parallel sizes of the trainer (PP is 1: see ``TrainerConfig.pp``)."""
@@ -248,21 +200,21 @@ def gpu_layout_problems(model: ModelConfig, layout: Layout) -> list[str]:
     return problems
 
 
-def plan_model_config(cfg: SluiceConfig) -> tuple[ModelConfig, str]:
+def plan_model_config(model: ModelSource, hardware: HardwareConfig) -> tuple[ModelConfig, str]:
     """The model a recipe trains, from a config.json alone, and where it came from (weights are never read)."""
-    path = cfg.model.path
+    path = model.path
     if path is not None and (Path(path) / "config.json").is_file():
         source = Path(path) / "config.json"
-    elif cfg.hardware.hf_config is not None:
-        source = Path(cfg.hardware.hf_config)
+    elif hardware.hf_config is not None:
+        source = Path(hardware.hf_config)
         if not source.is_file():
             raise ConfigError(f"hardware.hf_config {source} is not a file; point it at the model's config.json")
     elif path is None:
         from pipeline.models.families import family_for_tiny
         from pipeline.models.tiny import CHARACTERS, SPECIAL_TOKENS
 
-        arch = cfg.model.init_tiny
-        values = {"vocab_size": len(SPECIAL_TOKENS) + len(CHARACTERS), **cfg.model.init_overrides}
+        arch = model.init_tiny
+        values = {"vocab_size": len(SPECIAL_TOKENS) + len(CHARACTERS), **model.init_overrides}
         hf = family_for_tiny(arch).tiny_config(arch, values).to_dict()
         return ModelConfig.from_hf(hf, dtype="float32"), f"the tiny {arch} model (model.init_tiny)"
     else:
@@ -271,22 +223,24 @@ def plan_model_config(cfg: SluiceConfig) -> tuple[ModelConfig, str]:
     return ModelConfig.from_hf(json.loads(source.read_text())), str(source)
 
 
-def dry_run_plan(cfg: SluiceConfig) -> str:
+@root_to_sections(trainer="trainer", model="model", hardware="hardware")  # the CLI's call: pipeline/cli/train.py
+def dry_run_plan(trainer: TrainerConfig, model: ModelSource, hardware: HardwareConfig) -> str:
     """The dry run's plan: the model, the layout and one rank's memory; ConfigError for a layout that cannot run
     or cannot fit (every reason at once)."""
-    model, source = plan_model_config(cfg)
-    trainer, hw = cfg.trainer, cfg.hardware
+    hw = hardware
+    model_cfg, source = plan_model_config(model, hardware)
     layout = Layout(world_size=trainer.world_size, tp=trainer.tp, ep=trainer.ep)
-    problems = gpu_layout_problems(model, layout)
+    problems = gpu_layout_problems(model_cfg, layout)
     if hw.trainer_nodes is not None and hw.trainer_nodes * hw.gpus_per_node != trainer.world_size:
         problems.append(f"hardware.trainer_nodes x gpus_per_node = {hw.trainer_nodes} x {hw.gpus_per_node} GPUs, "
                         f"but trainer.world_size = {trainer.world_size}")
     if problems:
         raise ConfigError("this layout cannot run: " + "; ".join(problems))
     device: Literal["cuda", "cpu"] = "cuda" if hw.gpu_memory_gib is not None else "cpu"
-    tokens = trainer.micro_batch_tokens or trainer.micro_batch_samples * (hw.seq_len or model.max_position_embeddings)
-    plan = plan_memory(model, layout, device=device, tokens=tokens, kl_reference=trainer.loss.kl_coef > 0)
-    text = format_plan(plan, model, source, cfg)
+    tokens = (trainer.micro_batch_tokens
+              or trainer.micro_batch_samples * (hw.seq_len or model_cfg.max_position_embeddings))
+    plan = plan_memory(model_cfg, layout, device=device, tokens=tokens, kl_reference=trainer.loss.kl_coef > 0)
+    text = format_plan(plan, model_cfg, source, hardware)
     if hw.gpu_memory_gib is not None:
         usable = hw.usable_fraction * hw.gpu_memory_gib * GIB
         if plan.total > usable:
@@ -299,9 +253,9 @@ def dry_run_plan(cfg: SluiceConfig) -> str:
     return text
 
 
-def format_plan(plan: MemoryPlan, model: ModelConfig, source: str, cfg: SluiceConfig) -> str:
+def format_plan(plan: MemoryPlan, model: ModelConfig, source: str, hardware: HardwareConfig) -> str:
     """The plan as the dry run prints it."""
-    c, lay, hw = plan.counts, plan.layout, cfg.hardware
+    c, lay, hw = plan.counts, plan.layout, hardware
     shape = f"{model.num_experts} experts, top-{model.moe_topk}" if model.is_moe else "dense"
     where = f"{hw.trainer_nodes} node(s) x {hw.gpus_per_node} {hw.gpu}" if hw.trainer_nodes and hw.gpu else (
         hw.gpu or "this machine")

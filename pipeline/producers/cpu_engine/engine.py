@@ -49,7 +49,8 @@ def _patch_model(model: Any, cfg: CpuEngineConfig, unexpected: list[str]) -> Non
     from safetensors import safe_open
 
     from pipeline import plugins
-    from pipeline.models.spec import ENGINE_PATCH_FIELD, ENGINE_PATCH_SIGNATURE
+    from pipeline.config.model import ENGINE_PATCH_SIGNATURE
+    from pipeline.models.spec import ENGINE_PATCH_FIELD
 
     assert cfg.patch is not None
     patch = plugins.resolve(cfg.patch, field=ENGINE_PATCH_FIELD, signature=ENGINE_PATCH_SIGNATURE,

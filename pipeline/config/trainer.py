@@ -1,4 +1,6 @@
-"""The loss's configuration, apart from ``loss.py`` so that loading a recipe does not import torch."""
+"""``[trainer]``: the train step (R3, micro-batching, optimizer), its loss and learning-rate schedule, and the loop's
+own settings. Pure configuration: loading a recipe imports no torch (``pipeline.consumers.loss``, ``schedule`` and
+``train_step`` do the work)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,41 @@ from pipeline.plugins import Signature, split_ref
 
 _ICEPOP_BOUNDS = (0.5, 5.0)
 _MIS_BOUNDS = (0.0, 2.0)
+
+
+class LRScheduleConfig(BaseModel):
+    """Warm-up, then a decay shape, over optimizer steps."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    warmup_steps: int = Field(default=0, ge=0, le=100_000_000)
+    """Optimizer steps over which the rate rises linearly from lr / (warmup_steps + 1) to lr; 0 = no warm-up."""
+    decay: Literal["constant", "linear", "cosine"] = "constant"
+    """After warm-up: keep lr, or decay it linearly or along a half cosine down to min_lr_ratio * lr."""
+    decay_steps: int | None = Field(default=None, ge=1, le=100_000_000)
+    """Optimizer steps from the end of warm-up to the floor; None = the rest of the run."""
+    min_lr_ratio: float = Field(default=0.0, ge=0.0, le=1.0)
+    """The floor of the decay, as a fraction of lr."""
+    decay_unit: Literal["steps", "samples"] = "steps"
+    """What the decay counts: optimizer steps, or samples trained. Runs whose steps train different numbers of
+    samples (sync and async, or batches that dynamic sampling left partial) then have the same rate at the same
+    number of samples, which is what a comparison at equal samples needs. The warm-up stays in optimizer steps."""
+    decay_samples: int | None = Field(default=None, ge=1, le=10**12)
+    """With decay_unit = "samples": samples trained from the start of the run to the floor (required). The decay's
+    clock starts at sample 0, so right after a warm-up of w samples the rate is already the decay's value at w."""
+
+    @model_validator(mode="after")
+    def _check_unit(self) -> LRScheduleConfig:
+        if self.decay_unit == "samples" and self.decay == "constant":
+            raise ConfigError('lr_schedule.decay_unit = "samples" needs decay = "linear" or "cosine"; a constant rate '
+                              "has no decay to count")
+        if self.decay_unit == "samples" and self.decay_samples is None:
+            raise ConfigError('lr_schedule.decay_unit = "samples" needs decay_samples (the samples trained from the '
+                              "start of the run to the floor), e.g. the samples the run trains")
+        if self.decay_unit == "steps" and self.decay_samples is not None:
+            raise ConfigError('lr_schedule.decay_samples is set but decay_unit = "steps" ignores it; set '
+                              'decay_unit = "samples", or drop decay_samples')
+        return self
 
 
 class AdvantageConfig(BaseModel):
@@ -179,3 +216,90 @@ class LossConfig(BaseModel):
         if self.replace is not None:
             refs.append((f"{prefix}.replace", self.replace, LOSS_PLUGIN_SIGNATURE))
         return refs
+
+
+class TrainStepConfig(BaseModel):
+    """The training step: R3, micro-batching, optimizer and loss."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    r3: bool = True
+    """Replay the rollout's MoE routing (R3) in the proximal and training forwards; ignored for dense models."""
+    measure_r3: bool = True
+    """One extra no-grad forward per micro-batch to measure mismatch and routing agreement the other way."""
+    temperature: float | None = Field(default=None, gt=0.0, le=100.0)
+    """Score tokens at this temperature; None = each sample's own sampling temperature."""
+    micro_batch_samples: int = Field(default=8, ge=1, le=1 << 20)
+    """Most samples in one forward/backward."""
+    micro_batch_tokens: int | None = Field(default=None, ge=1, le=1 << 30)
+    """Most padded tokens (rows x padded length) in one forward/backward; None = no token budget."""
+    mini_batches: int = Field(default=1, ge=1, le=4096)
+    """Optimizer steps per drained batch: its samples are shuffled and split into this many mini-batches. With more
+    than one, the decoupled ratio current/proximal moves away from 1 after the first, and the PPO clip acts."""
+    epochs: int = Field(default=1, ge=1, le=64)
+    """Passes over each drained batch (each split into ``mini_batches``); proximal log-probs are computed once."""
+    lr: float = Field(default=1e-6, gt=0.0, le=1.0)
+    """Peak AdamW learning rate."""
+    lr_schedule: LRScheduleConfig = Field(default_factory=LRScheduleConfig)
+    """Warm-up and decay of the learning rate, over optimizer steps (trainer steps x epochs x mini_batches)."""
+    optimizer: Literal["auto", "local", "megatron"] = "auto"
+    """auto: megatron's DDP + distributed optimizer on CUDA, torch AdamW with an explicit all-reduce on CPU (fp32
+    master weights for bf16/fp16 parameters in both); local or megatron force one."""
+    weight_decay: float = Field(default=0.0, ge=0.0, le=1.0)
+    """AdamW decoupled weight decay."""
+    adam_beta1: float = Field(default=0.9, ge=0.0, lt=1.0)
+    """AdamW first-moment decay."""
+    adam_beta2: float = Field(default=0.999, ge=0.0, lt=1.0)
+    """AdamW second-moment decay."""
+    adam_eps: float = Field(default=1e-8, gt=0.0, le=1.0)
+    """AdamW denominator epsilon."""
+    expert_bias_update_rate: float = Field(default=1e-3, ge=0.0, le=1.0)
+    """Per optimizer step, how far each expert's routing bias moves toward balance (megatron's
+    moe_router_bias_update_rate); only for routers with an expert bias (DeepSeek-V3). 0 keeps the bias as loaded."""
+    grad_clip: float | None = Field(default=1.0, gt=0.0, le=1e6)
+    """Clip the global gradient norm (over all ranks, experts included) to this; None = no clipping."""
+    failed_in_group_stats: bool = True
+    """Failed/aborted samples (never trained on) still count in their group's GRPO reward mean and std."""
+    pad_token_id: int = Field(default=0, ge=0, le=1 << 22)
+    """Token id written into padding (never scored)."""
+    loss: LossConfig = Field(default_factory=LossConfig)
+    """The policy-gradient loss."""
+
+
+class TrainerConfig(TrainStepConfig):
+    """The Megatron-core trainer: the train step's settings (lr, r3, micro-batching, loss, ...) plus the loop's."""
+
+    steps: int = Field(20, ge=1)
+    """Optimizer steps (one weight push each) to run."""
+    batch_groups: int = Field(4, ge=1)
+    """Prompt groups per step (the global batch; split across data-parallel ranks)."""
+    world_size: int = Field(1, ge=1, le=4096)
+    """Trainer ranks (torch.distributed processes)."""
+    tp: int = Field(1, ge=1)
+    """Tensor-parallel size."""
+    ep: int = Field(1, ge=1)
+    """Expert-parallel size."""
+    pp: int = Field(1, ge=1)
+    """Pipeline-parallel size. Only 1 runs: sluice's train step calls the model directly instead of driving
+    megatron's pipeline schedules, so every rank holds every layer (larger models spread over ep and tp)."""
+    checkpoint_every: int = Field(5, ge=1)
+    """Commit (checkpoint, ledger, acks) every this many steps."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """Checkpoints kept on disk."""
+    drain_block_ms: int = Field(1000, ge=1)
+    """How long one queue read waits for entries."""
+    overlap_push: bool = True
+    """Push each step's weights in the background while the next batch is drained and trained (the version still
+    advances only once every engine has them); false pushes before the next drain."""
+    profile_steps: tuple[int, int] | None = None
+    """[a, b]: run torch.profiler over trainer steps a..b (inclusive) and write a Chrome/Perfetto trace per rank to
+    RUN_DIR/profiles/ (open it at ui.perfetto.dev); None profiles nothing."""
+
+    @model_validator(mode="after")
+    def _profile_window(self) -> TrainerConfig:
+        if self.profile_steps is not None:
+            first, last = self.profile_steps
+            if not 1 <= first <= last:
+                raise ValueError(f"trainer.profile_steps = [{first}, {last}]: give [a, b] with 1 <= a <= b (trainer "
+                                 "steps count from 1), e.g. [10, 12]")
+        return self
