@@ -34,7 +34,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from pipeline.producers.prompts import Prompt, synthetic_split
+from pipeline.data.prompts import Prompt, synthetic_split
 from pipeline.producers.rollout import RolloutContext, Trajectory
 
 CALL_OPEN, CALL_CLOSE = "<calc>", "</calc>"

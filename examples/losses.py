@@ -10,7 +10,7 @@
     [trainer.loss]
     replace = "losses:reinforce"    # or: the whole policy loss replaced
 
-Each function gets one ``LossInputs`` per micro-batch (pipeline/consumers/loss_plugins.py) and returns its mean over
+Each function gets one ``LossInputs`` per micro-batch (pipeline/consumers/rl/loss_plugins.py) and returns its mean over
 that micro-batch, a 0-dim tensor, plus a dict of float metrics; ``inputs.mean`` averages per-token values the way the
 built-in loss does, so sluice can scale each micro-batch by its share of the optimizer step.
 """

@@ -27,9 +27,9 @@ from engines import EngineProcess, free_port
 
 from pipeline.config import load_config
 from pipeline.config.producer import ProducerConfig, SamplingConfig
+from pipeline.data.prompts import synthetic
 from pipeline.errors import ConfigError
 from pipeline.producers.producer import Producer, load_tokenize, read_num_experts
-from pipeline.producers.prompts import synthetic
 from pipeline.producers.sglang_client import NO_RETRY, EnginePool, ExponentialBackoff, Retry, SGLangClient
 from pipeline.queue.archive import ArchiveReader, load_index
 from pipeline.queue.redis_streams import SampleQueue
@@ -261,7 +261,7 @@ def test_a_full_disk_under_the_checkpoints_fails_the_commit_and_loses_nothing(tm
     from test_trainer_crash import BATCH_GROUPS, GROUP_SIZE, STEPS, _start_trainer
     from train_samples import routed_groups
 
-    from pipeline.consumers.audit import audit_trainer
+    from pipeline.consumers.trainer.audit import audit_trainer
     from pipeline.launch.launcher import prepare_run
 
     run_dir = tmp_path / "run"

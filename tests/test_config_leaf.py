@@ -111,7 +111,7 @@ def test_the_builtin_rollout_names_the_rollout_function() -> None:
 @pytest.mark.parametrize("digits", [1, 2])
 def test_the_synthetic_task_sizes_are_the_tasks(digits: int) -> None:
     from pipeline.config.prompts import SYNTHETIC_TASK_SPACES
-    from pipeline.producers.prompts import SYNTHETIC_TASKS
+    from pipeline.data.prompts import SYNTHETIC_TASKS
 
     assert set(SYNTHETIC_TASKS) == set(SYNTHETIC_TASK_SPACES)
     for name, task in SYNTHETIC_TASKS.items():
@@ -119,11 +119,3 @@ def test_the_synthetic_task_sizes_are_the_tasks(digits: int) -> None:
         assert task.space(digits) == space
         # As many distinct prompts as the recipe check allows: a size it accepts can always be drawn.
         assert len({task.make(code, digits)[0] for code in range(space)}) == space, name
-
-
-def test_a_caller_still_holding_the_root_gets_the_same_sections() -> None:
-    from pipeline.config import load_config
-    from pipeline.consumers.megatron.plan import dry_run_plan
-
-    cfg = load_config(ROOT / "recipes" / "gpu-qwen3-30b-a3b.toml")
-    assert dry_run_plan(cfg) == dry_run_plan(cfg.trainer, cfg.model, cfg.hardware)

@@ -8,9 +8,9 @@ import numpy as np
 from conftest import make_group
 
 from pipeline.config.staleness import StalenessConfig
-from pipeline.consumers.drain import Drainer
-from pipeline.consumers.ledger import Ledger, LedgerLine, read_ledger
-from pipeline.producers.prompts import PromptCursor
+from pipeline.consumers.trainer.drain import Drainer
+from pipeline.consumers.trainer.ledger import Ledger, LedgerLine, read_ledger
+from pipeline.data.prompts import PromptCursor
 from pipeline.queue.redis_streams import SampleQueue
 from pipeline.queue.sample import SampleStatus
 

@@ -30,7 +30,7 @@ from pipeline.consumers.megatron.convert import (  # noqa: E402
     megatron_to_hf_state_dict,
 )
 from pipeline.consumers.megatron.model import build_gpt_model, forward_logits, init_parallel  # noqa: E402
-from pipeline.consumers.train_step import TrainStep  # noqa: E402
+from pipeline.consumers.rl.train_step import TrainStep  # noqa: E402
 from pipeline.models.tiny import init_tiny_model  # noqa: E402
 from pipeline.producers.cpu_engine.weight_loader import WeightLoader  # noqa: E402
 

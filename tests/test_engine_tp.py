@@ -15,7 +15,7 @@ from engines import start_engine
 from safetensors.torch import load_file
 
 from pipeline.config import SluiceConfig
-from pipeline.consumers.train_main import _connect_pusher
+from pipeline.consumers.trainer.main import _connect_pusher
 from pipeline.models.tiny import init_tiny_model
 from pipeline.producers.sglang_client import NO_RETRY, SGLangClient
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import load_config
-from pipeline.consumers.hooks import HookRunner
-from pipeline.producers.prompts import Prompt
+from pipeline.consumers.trainer.hooks import HookRunner
+from pipeline.data.prompts import Prompt
 from pipeline.producers.rewards import HttpScorer, setup_scorer
 from pipeline.queue.redis_server import free_port
 

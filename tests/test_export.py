@@ -84,8 +84,8 @@ def test_export_loads_in_transformers_with_the_trainers_logits(model_dir: Path, 
         assert not (tmp_path / f"hf-{step}.tmp").exists()
 
     # Bad input: clear errors before anything heavy is built (in-process: these need no megatron world).
+    from pipeline.consumers.export import export_run
     from pipeline.errors import ConfigError
-    from pipeline.export import export_run
 
     with pytest.raises(ConfigError, match="already exists"):
         export_run(run_dir, tmp_path / "hf-6")

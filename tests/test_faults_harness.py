@@ -22,7 +22,7 @@ from conftest import make_group
 
 from pipeline.benchmarks.fault_check import TAP_GROUP, StreamTap, check, collect
 from pipeline.benchmarks.faults import FaultsBenchParams, run_faults_bench, table_lines
-from pipeline.consumers.ledger import Ledger, LedgerLine
+from pipeline.consumers.trainer.ledger import Ledger, LedgerLine
 from pipeline.queue.archive import ArchiveWriter
 from pipeline.queue.redis_streams import GONE_REASON, SampleQueue
 
@@ -145,7 +145,7 @@ def test_a_restore_spends_the_pacing_slots_its_pushes_added_once(queue: SampleQu
     step after step (32-848 stale samples per rolled-back trial, 0 without a fault). The drain spends those slots,
     once per restore, however often a trainer restarts."""
     from pipeline.config.staleness import StalenessConfig
-    from pipeline.consumers.drain import Drainer, record_restore
+    from pipeline.consumers.trainer.drain import Drainer, record_restore
 
     rng = np.random.default_rng(4)
     queue.put_many([make_group(rng, 2, version=6) for _ in range(2)])

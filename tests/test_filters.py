@@ -13,11 +13,11 @@ from pipeline import plugins
 from pipeline.config import load_config
 from pipeline.config.filters import FilterConfig
 from pipeline.config.staleness import StalenessConfig
-from pipeline.consumers.audit import audit_trainer
-from pipeline.consumers.drain import Drainer
-from pipeline.consumers.filters import GroupFilters, resolve_filter
-from pipeline.consumers.ledger import Ledger, LedgerLine
-from pipeline.consumers.replay import ReplaySource
+from pipeline.consumers.trainer.audit import audit_trainer
+from pipeline.consumers.trainer.drain import Drainer
+from pipeline.consumers.trainer.filters import GroupFilters, resolve_filter
+from pipeline.consumers.trainer.ledger import Ledger, LedgerLine
+from pipeline.consumers.trainer.replay import ReplaySource
 from pipeline.errors import ConfigError, SluiceError
 from pipeline.queue.redis_streams import SampleQueue
 from pipeline.queue.sample import Sample
@@ -137,7 +137,7 @@ def test_filtered_groups_are_accounted_for_by_the_audit(queue: SampleQueue, tmp_
 
 
 def test_replay_applies_the_same_filters(tmp_path: Path) -> None:
-    from pipeline.consumers.trainer import LocalClock
+    from pipeline.consumers.trainer.loop import LocalClock
 
     rng = np.random.default_rng(3)
     groups = [rewarded(rng, r) for r in ([1.0, 1.0], [0.0, 1.0], [0.5, 0.5], [1.0, 0.0])]
@@ -207,7 +207,7 @@ def test_a_reweighting_filter_weighs_kept_groups_and_still_drops(queue: SampleQu
     assert (metrics["filter/groups_reweighted"], metrics["filter/weight_mean"]) == (2.0, 1.5)
     assert (metrics["filter/groups_user"], metrics["filter/groups_zero_variance"]) == (1.0, 1.0)
     # Replay judges with the same filters, so it weighs the same groups.
-    from pipeline.consumers.trainer import LocalClock
+    from pipeline.consumers.trainer.loop import LocalClock
 
     clock = LocalClock(0)
     src = ReplaySource(iter([(f"{i}-0", g) for i, g in enumerate(groups)]), FRESH, Ledger(tmp_path / "replay"),
@@ -223,7 +223,7 @@ def test_filter_weights_reach_the_train_step_and_the_step_metrics(queue: SampleQ
     import torch
 
     from pipeline.consumers.megatron import checkpoint
-    from pipeline.consumers.trainer import RedisClock, Trainer, TrainerSettings
+    from pipeline.consumers.trainer.loop import RedisClock, Trainer, TrainerSettings
 
     class Recording:
         def __init__(self) -> None:

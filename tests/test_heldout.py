@@ -23,7 +23,16 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from pipeline.config import SluiceConfig, load_config  # noqa: E402
-from pipeline.consumers.heldout import (  # noqa: E402
+from pipeline.consumers.trainer.snapshots import (  # noqa: E402
+    DONE_MARK,
+    SnapshotWriter,
+    is_done,
+    list_snapshots,
+    mark_done,
+)
+from pipeline.data.prompts import Prompt  # noqa: E402
+from pipeline.errors import ConfigError  # noqa: E402
+from pipeline.heldout.evaluate import (  # noqa: E402
     HeldoutEvaluator,
     HeldoutSettings,
     PromptOutcome,
@@ -33,17 +42,8 @@ from pipeline.consumers.heldout import (  # noqa: E402
     read_heldout,
     summarize,
 )
-from pipeline.consumers.snapshots import (  # noqa: E402
-    DONE_MARK,
-    SnapshotWriter,
-    is_done,
-    list_snapshots,
-    mark_done,
-)
-from pipeline.errors import ConfigError  # noqa: E402
 from pipeline.models.tiny import init_tiny_model  # noqa: E402
 from pipeline.producers.producer import load_tokenize  # noqa: E402
-from pipeline.producers.prompts import Prompt  # noqa: E402
 from pipeline.producers.rewards import exact_match  # noqa: E402
 from pipeline.producers.sglang_client import SGLangClient  # noqa: E402
 
@@ -420,7 +420,7 @@ def test_private_engine_dies_with_a_killed_evaluator(model_dir: Path, tmp_path: 
 
     import psutil
 
-    code = ("import sys, time; from pathlib import Path; from pipeline.consumers.heldout import PrivateEngine; "
+    code = ("import sys, time; from pathlib import Path; from pipeline.heldout.evaluate import PrivateEngine; "
             "e = PrivateEngine.start(Path(sys.argv[1]), Path(sys.argv[2])); print(e.proc.pid, flush=True); "
             "time.sleep(600)")
     evaluator = subprocess.Popen([sys.executable, "-c", code, str(model_dir), str(tmp_path / "engine.log")],
@@ -448,7 +448,7 @@ def test_private_engine_binds_a_port_of_its_own_choosing(model_dir: Path, tmp_pa
 
     import httpx
 
-    from pipeline.consumers.heldout import PrivateEngine
+    from pipeline.heldout.evaluate import PrivateEngine
     from pipeline.queue import redis_server
 
     taken = socket.socket()

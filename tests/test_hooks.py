@@ -19,7 +19,7 @@ from train_samples import routed_groups
 from pipeline import plugins
 from pipeline.config import load_config
 from pipeline.config.hooks import HooksConfig
-from pipeline.consumers.hooks import HookRunner
+from pipeline.consumers.trainer.hooks import HookRunner
 from pipeline.errors import ConfigError
 from pipeline.launch.launcher import prepare_run
 from pipeline.producers.producer import read_num_experts

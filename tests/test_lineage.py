@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from pipeline.config.staleness import StalenessConfig
-from pipeline.consumers.drain import Drainer, load_lineage, record_restore
-from pipeline.consumers.ledger import Ledger
-from pipeline.consumers.staleness import Lineage, decide_group, group_lag
+from pipeline.consumers.trainer.drain import Drainer, load_lineage, record_restore
+from pipeline.consumers.trainer.ledger import Ledger
+from pipeline.consumers.trainer.staleness import Lineage, decide_group, group_lag
 from pipeline.errors import SluiceError
 from pipeline.queue.redis_streams import SampleQueue
 
@@ -47,7 +47,7 @@ def test_nested_restores_and_their_common_ancestors() -> None:
 
 
 def test_the_policy_decides_by_distance() -> None:
-    from pipeline.consumers.staleness import GroupVersions
+    from pipeline.consumers.trainer.staleness import GroupVersions
 
     cfg = StalenessConfig(max_lag=2, action="drop")
     line = Lineage({42: 0})
@@ -93,8 +93,8 @@ def test_a_resume_after_rollback_trains_the_restored_weights_samples(tmp_path: P
     from train_samples import routed_groups
 
     from pipeline.config import load_config
-    from pipeline.consumers.audit import audit_trainer
-    from pipeline.consumers.ledger import read_ledger
+    from pipeline.consumers.trainer.audit import audit_trainer
+    from pipeline.consumers.trainer.ledger import read_ledger
     from pipeline.launch.launcher import prepare_run
     from pipeline.producers.producer import read_num_experts
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from pipeline.config.trainer import AdvantageConfig, CorrectionConfig, LossConfig
-from pipeline.consumers.loss import (
+from pipeline.consumers.rl.loss import (
     aggregate,
     entropy_from_logits,
     gather_logprobs,

@@ -24,12 +24,12 @@ from train_samples import finish_ranks, start_ranks, synthetic_groups, tiny_moe 
 from pipeline import plugins  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.config.trainer import CorrectionConfig, LossConfig, LossTermConfig, TrainStepConfig  # noqa: E402
-from pipeline.consumers.batch import collate  # noqa: E402
-from pipeline.consumers.loss_plugins import LossInputs, LossPluginError  # noqa: E402
 from pipeline.consumers.megatron.config import ModelConfig, ParallelConfig  # noqa: E402
 from pipeline.consumers.megatron.convert import load_hf_into_megatron  # noqa: E402
 from pipeline.consumers.megatron.model import build_gpt_model, init_parallel  # noqa: E402
-from pipeline.consumers.train_step import TrainStep  # noqa: E402
+from pipeline.consumers.rl.batch import collate  # noqa: E402
+from pipeline.consumers.rl.loss_plugins import LossInputs, LossPluginError  # noqa: E402
+from pipeline.consumers.rl.train_step import TrainStep  # noqa: E402
 from pipeline.errors import ConfigError  # noqa: E402
 from pipeline.queue.redis_server import free_port  # noqa: E402
 
@@ -235,7 +235,7 @@ def test_the_example_terms_and_filters(tiny: tuple, caplog: pytest.LogCaptureFix
     groups = synthetic_groups(tiny[1], SIZES, seed=2)
     base, m0 = _grad(tiny, _cfg(), groups)
     bonus = [LossTermConfig(fn="losses:entropy_bonus", coef=0.5)]
-    with caplog.at_level("WARNING", logger="pipeline.consumers.loss_plugins"):
+    with caplog.at_level("WARNING", logger="pipeline.consumers.rl.loss_plugins"):
         detached, _ = _grad(tiny, _cfg(terms=bonus), groups)
     assert "without gradient" in caplog.text
     _close(detached, base, rel=1e-6)  # the entropy carried no gradient: the update is the policy loss's alone
@@ -282,7 +282,7 @@ def _dp_run(folder: Path, out: Path) -> None:
     from megatron.core import parallel_state as ps
     from safetensors.torch import save_file
 
-    from pipeline.consumers.train_step import shard_groups
+    from pipeline.consumers.rl.train_step import shard_groups
 
     model_cfg = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()), dtype="float32")
     init_parallel(ParallelConfig(device="cpu"), seed=7)

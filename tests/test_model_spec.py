@@ -45,7 +45,7 @@ from pipeline.consumers.megatron.model import (  # noqa: E402
     forward_logprobs,
     init_parallel,
 )
-from pipeline.consumers.train_main import check_spec_weights  # noqa: E402
+from pipeline.consumers.trainer.main import check_spec_weights  # noqa: E402
 from pipeline.errors import ConfigError  # noqa: E402
 
 SPEC = "gated_attention:gated_attention"
@@ -309,7 +309,7 @@ def _push(url: str, model: torch.nn.Module, model_cfg: ModelConfig) -> None:
 def test_a_patched_cpu_engine_takes_the_gate_by_push_and_from_an_exported_folder(tmp_path: Path) -> None:
     from engines import start_engine
 
-    from pipeline.consumers.train_main import export_hf_model
+    from pipeline.consumers.trainer.main import export_hf_model
     from pipeline.models.tiny import init_tiny_model
 
     base = init_tiny_model("qwen3-moe", tmp_path / "base")

@@ -23,12 +23,12 @@ from nopickle import ENV_LOG, Unpickled, refusing_pickle
 from pipeline.config.eval import EvaluatorConfig
 from pipeline.config.producer import ProducerConfig, SamplingConfig
 from pipeline.config.staleness import StalenessConfig
-from pipeline.consumers.drain import Drainer
 from pipeline.consumers.evaluator import Evaluator
-from pipeline.consumers.ledger import Ledger
-from pipeline.consumers.replay import archive_records, stream_records
+from pipeline.consumers.trainer.drain import Drainer
+from pipeline.consumers.trainer.ledger import Ledger
+from pipeline.consumers.trainer.replay import archive_records, stream_records
+from pipeline.data.prompts import synthetic
 from pipeline.producers.producer import Producer, load_tokenize, read_num_experts
-from pipeline.producers.prompts import synthetic
 from pipeline.producers.sglang_client import SGLangClient
 from pipeline.queue.archive import Archiver, ArchiveReader
 from pipeline.queue.codec import encode_samples
@@ -64,7 +64,7 @@ def _start_guarded_engine(model_dir: Path, log_dir: Path, log: Path) -> EnginePr
 _RANK = textwrap.dedent("""
     import sys, datetime
     import torch.distributed as dist
-    from pipeline.consumers.trainer import broadcast_msgpack
+    from pipeline.consumers.trainer.loop import broadcast_msgpack
     from pipeline.queue.codec import decode_samples
     rank, port, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.consumers.drain import Batch
-from pipeline.consumers.ledger import Ledger
-from pipeline.consumers.trainer import LocalClock, Trainer, TrainerSettings
+from pipeline.consumers.trainer.drain import Batch
+from pipeline.consumers.trainer.ledger import Ledger
+from pipeline.consumers.trainer.loop import LocalClock, Trainer, TrainerSettings
 from pipeline.queue.sample import Sample, SamplingInfo
 
 STEP_S = 0.15

@@ -26,11 +26,12 @@ from engines import REPO_ROOT, EngineProcess
 from pipeline.config.filters import FilterConfig
 from pipeline.config.producer import ProducerConfig, SamplingConfig
 from pipeline.config.staleness import StalenessConfig
-from pipeline.consumers.drain import Batch, Drainer
-from pipeline.consumers.ledger import Ledger
-from pipeline.consumers.staleness import admission_budget
+from pipeline.consumers.trainer.drain import Batch, Drainer
+from pipeline.consumers.trainer.ledger import Ledger
+from pipeline.consumers.trainer.staleness import admission_budget
+from pipeline.data.prompts import Prompt, synthetic
+from pipeline.producers.cursor import PromptCursor
 from pipeline.producers.producer import Pacing, PacingConfig, Producer, ProducerSpec, load_tokenize, read_num_experts
-from pipeline.producers.prompts import Prompt, PromptCursor, synthetic
 from pipeline.producers.sglang_client import SGLangClient
 from pipeline.queue.redis_streams import SampleQueue
 

@@ -16,8 +16,8 @@ from engines import EngineProcess
 from pipeline import plugins
 from pipeline.config.metrics import MetricsConfig
 from pipeline.config.producer import ProducerConfig, SamplingConfig
+from pipeline.data.prompts import synthetic
 from pipeline.producers.producer import Producer, load_tokenize, read_num_experts
-from pipeline.producers.prompts import synthetic
 from pipeline.producers.reporting import ProducerReporter
 from pipeline.producers.rewards import RewardScorer, setup_scorer
 from pipeline.producers.sglang_client import SGLangClient

@@ -20,7 +20,7 @@ def step_marks(trace: Path) -> set[int]:
 
 
 def test_trace_covers_the_window_and_nothing_else(tmp_path: Path) -> None:
-    from pipeline.consumers.profiling import StepProfiler
+    from pipeline.consumers.trainer.profiling import StepProfiler
 
     profiler = StepProfiler((3, 5), tmp_path, rank=1)
     x = torch.randn(64, 64)
@@ -38,7 +38,7 @@ def test_trace_covers_the_window_and_nothing_else(tmp_path: Path) -> None:
 
 
 def test_a_window_the_loop_ends_inside_is_written_at_the_end(tmp_path: Path) -> None:
-    from pipeline.consumers.profiling import StepProfiler
+    from pipeline.consumers.trainer.profiling import StepProfiler
 
     profiler = StepProfiler((2, 10), tmp_path)
     for step in range(1, 4):
@@ -49,7 +49,7 @@ def test_a_window_the_loop_ends_inside_is_written_at_the_end(tmp_path: Path) -> 
 
 
 def test_no_window_profiles_nothing(tmp_path: Path) -> None:
-    from pipeline.consumers.profiling import StepProfiler
+    from pipeline.consumers.trainer.profiling import StepProfiler
 
     profiler = StepProfiler(None, tmp_path)
     for step in range(1, 4):

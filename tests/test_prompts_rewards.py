@@ -19,10 +19,10 @@ from hypothesis import strategies as st
 from pipeline import plugins
 from pipeline.config import load_config
 from pipeline.config.prompts import PromptConfig
-from pipeline.consumers.staleness import may_admit
+from pipeline.consumers.trainer.staleness import may_admit
+from pipeline.data.prompts import Prompt, PromptCursor, load_jsonl, setup_heldout, setup_prompts, synthetic
 from pipeline.errors import ConfigError
 from pipeline.producers.producer import _TAKE
-from pipeline.producers.prompts import Prompt, PromptCursor, load_jsonl, setup_heldout, setup_prompts, synthetic
 from pipeline.producers.rewards import integer_match, prefix_match, resolve_reward, score
 from pipeline.queue.keys import RunKeys
 

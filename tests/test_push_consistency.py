@@ -27,7 +27,7 @@ import torch
 from engines import start_engine
 from safetensors.torch import load_file
 
-from pipeline.consumers.trainer import RedisClock, Trainer, TrainerSettings
+from pipeline.consumers.trainer.loop import RedisClock, Trainer, TrainerSettings
 from pipeline.models.tiny import init_tiny_model
 from pipeline.producers.sglang_client import NO_RETRY, SGLangClient
 from pipeline.queue.redis_streams import SampleQueue

@@ -24,7 +24,7 @@ from pipeline.config.trainer import TrainStepConfig  # noqa: E402
 from pipeline.consumers.megatron.config import ModelConfig, ParallelConfig  # noqa: E402
 from pipeline.consumers.megatron.convert import load_hf_into_megatron  # noqa: E402
 from pipeline.consumers.megatron.model import build_gpt_model, init_parallel  # noqa: E402
-from pipeline.consumers.train_step import TrainStep  # noqa: E402
+from pipeline.consumers.rl.train_step import TrainStep  # noqa: E402
 from pipeline.models.tiny import init_tiny_model  # noqa: E402
 from pipeline.producers.cpu_engine.routing import RoutingRecorder  # noqa: E402
 from pipeline.queue.sample import Sample, SamplingInfo, compact_routing  # noqa: E402

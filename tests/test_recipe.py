@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.consumers.audit import audit_trainer
+from pipeline.consumers.trainer.audit import audit_trainer
 from pipeline.queue.rundir import open_run
 
 ROOT = Path(__file__).parent.parent

@@ -22,9 +22,9 @@ from runprocs import alive, run_processes
 
 from pipeline.config import load_config
 from pipeline.config.staleness import StalenessConfig
-from pipeline.consumers.audit import audit_trainer
-from pipeline.consumers.drain import Batch, Drainer
-from pipeline.consumers.ledger import Ledger, LedgerLine
+from pipeline.consumers.trainer.audit import audit_trainer
+from pipeline.consumers.trainer.drain import Batch, Drainer
+from pipeline.consumers.trainer.ledger import Ledger, LedgerLine
 from pipeline.errors import ConfigError, QueueError
 from pipeline.queue.connection import check_fsync_always, connect
 from pipeline.queue.redis_server import EmbeddedRedis

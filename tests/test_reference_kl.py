@@ -30,7 +30,7 @@ from pipeline.config.trainer import CorrectionConfig, LossConfig, TrainStepConfi
 from pipeline.consumers.megatron.config import ModelConfig, ParallelConfig  # noqa: E402
 from pipeline.consumers.megatron.convert import load_hf_into_megatron, megatron_to_hf_state_dict  # noqa: E402
 from pipeline.consumers.megatron.model import build_gpt_model, init_parallel  # noqa: E402
-from pipeline.consumers.train_step import TrainStep, shard_groups  # noqa: E402
+from pipeline.consumers.rl.train_step import TrainStep, shard_groups  # noqa: E402
 from pipeline.errors import ConfigError  # noqa: E402
 from pipeline.models.tiny import init_tiny_model  # noqa: E402
 from pipeline.queue.sample import Sample  # noqa: E402
@@ -93,8 +93,8 @@ def test_kl_ref_is_zero_while_policy_equals_reference_then_grows(tiny: tuple[Pat
 def _exact_kl(policy: torch.nn.Module, reference: torch.nn.Module, groups: list[list[Sample]]) -> float:
     """Mean over the loss positions of the exact KL(policy || reference) over the whole vocabulary (free routing):
     an independent measure, where ``kl_ref`` estimates it from the sampled tokens only."""
-    from pipeline.consumers.batch import collate
     from pipeline.consumers.megatron.model import forward_logits
+    from pipeline.consumers.rl.batch import collate
 
     batch = collate(groups)
     with torch.no_grad():
@@ -173,7 +173,7 @@ def test_refuses_a_reference_it_cannot_use(tiny: tuple[Path, ModelConfig], caplo
 
 def test_build_rank_builds_a_reference_only_for_a_kl_penalty(tiny: tuple[Path, ModelConfig]) -> None:
     from pipeline.config import SluiceConfig
-    from pipeline.consumers.train_main import build_rank
+    from pipeline.consumers.trainer.main import build_rank
 
     folder, _ = tiny
     plain_cfg = SluiceConfig()

@@ -18,8 +18,8 @@ from aiohttp import web
 from pipeline import plugins
 from pipeline.config import load_config
 from pipeline.config.producer import ProducerConfig
+from pipeline.data.prompts import Prompt
 from pipeline.errors import ConfigError
-from pipeline.producers.prompts import Prompt
 from pipeline.producers.rewards import GroupScorer, HttpScorer, RewardScorer, SampleScorer, setup_scorer
 from pipeline.queue.redis_server import free_port
 

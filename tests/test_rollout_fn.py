@@ -23,9 +23,10 @@ from engines import EngineProcess
 from pipeline import plugins
 from pipeline.config import load_config
 from pipeline.config.producer import ProducerConfig, SamplingConfig
+from pipeline.data.prompts import Prompt, synthetic
 from pipeline.errors import ConfigError, SampleError
+from pipeline.producers.cursor import PromptCursor
 from pipeline.producers.producer import Producer, load_codec, read_num_experts, resolve_rollout
-from pipeline.producers.prompts import Prompt, PromptCursor, synthetic
 from pipeline.producers.rollout import EnvTurn, ModelTurn, Trajectory
 from pipeline.producers.sglang_client import SGLangClient
 from pipeline.queue.connection import connect
@@ -166,7 +167,7 @@ def test_the_trainer_replaying_multi_turn_routing_reproduces_the_engines_logprob
     from pipeline.consumers.megatron.config import ModelConfig, ParallelConfig
     from pipeline.consumers.megatron.convert import load_hf_into_megatron
     from pipeline.consumers.megatron.model import build_gpt_model, init_parallel
-    from pipeline.consumers.train_step import TrainStep
+    from pipeline.consumers.rl.train_step import TrainStep
 
     model_cfg = ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()), dtype="float32")
     parallel = ParallelConfig(device="cpu")
@@ -196,7 +197,7 @@ def test_the_heldout_evaluator_runs_the_recipes_rollout_function(
 ) -> None:
     """A tool-using policy is evaluated as it acts: the reward sees the environment's text only when the evaluator
     generates through the rollout function, and the response length counts the model's tokens alone."""
-    from pipeline.consumers.heldout import HeldoutEvaluator, HeldoutSettings
+    from pipeline.heldout.evaluate import HeldoutEvaluator, HeldoutSettings
 
     codec = load_codec(model_dir)
     settings = HeldoutSettings(samples=2, pass_k=(1, 2), temperature=1.0, max_new_tokens=4, seed=3)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from runprocs import alive, run_processes
 
-from pipeline.consumers.audit import audit_trainer
+from pipeline.consumers.trainer.audit import audit_trainer
 from pipeline.queue.redis_server import EmbeddedRedis
 from pipeline.queue.rundir import open_run
 

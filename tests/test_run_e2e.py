@@ -16,7 +16,7 @@ import pytest
 from runprocs import alive, find_role, run_processes
 
 from pipeline.benchmarks.fault_kinds import rows as _steps  # skips a row being written
-from pipeline.consumers.audit import audit_trainer
+from pipeline.consumers.trainer.audit import audit_trainer
 from pipeline.queue.archive import ArchiveReader
 from pipeline.queue.redis_streams import RESUME_EVENT
 from pipeline.queue.rundir import open_run

@@ -26,10 +26,10 @@ from pipeline.config import dump_config, load_config
 from pipeline.config.eval import EvaluatorConfig
 from pipeline.config.filters import FilterConfig
 from pipeline.config.staleness import StalenessConfig
-from pipeline.consumers.audit import audit_trainer
-from pipeline.consumers.drain import Drainer
 from pipeline.consumers.evaluator import Evaluator
-from pipeline.consumers.ledger import Ledger
+from pipeline.consumers.trainer.audit import audit_trainer
+from pipeline.consumers.trainer.drain import Drainer
+from pipeline.consumers.trainer.ledger import Ledger
 from pipeline.errors import ConfigError, QueueError
 from pipeline.queue.archive import Archiver, ArchiveReader
 from pipeline.queue.connection import connect, redact_url

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from pipeline.config import SluiceConfig, load_config
-from pipeline.consumers.sft import (
+from pipeline.consumers.warmstart.config import read_done, warmstart_metrics_path, warmstart_model_dir
+from pipeline.consumers.warmstart.sft import (
     BatchOrder,
     SFTData,
     SFTPair,
@@ -24,10 +25,9 @@ from pipeline.consumers.sft import (
     sft_prompts,
     tokenize_pairs,
 )
-from pipeline.consumers.sft_config import read_done, warmstart_metrics_path, warmstart_model_dir
+from pipeline.data.prompts import Prompt, setup_heldout, setup_prompts
 from pipeline.errors import ConfigError
 from pipeline.models.tiny import build_tokenizer
-from pipeline.producers.prompts import Prompt, setup_heldout, setup_prompts
 
 STEPS = 400
 HELDOUT = 200
@@ -121,7 +121,7 @@ def test_the_default_data_is_the_training_split_and_a_jsonl_with_heldout_prompts
 @pytest.fixture(scope="module")
 def warm(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One warm start on two-digit addition (9,000 training prompts, 200 held out), shared by the tests below."""
-    from pipeline.consumers.sft import run_warmstart
+    from pipeline.consumers.warmstart.sft import run_warmstart
 
     run_dir = tmp_path_factory.mktemp("sft") / "run"
     cfg = _config(run_dir, model_dir)
@@ -154,7 +154,7 @@ def test_micro_batches_accumulate_to_the_whole_batch_gradient(warm: dict[str, An
     from transformers import AutoTokenizer
 
     from pipeline.consumers.megatron.model import shutdown_parallel
-    from pipeline.consumers.sft import build_sft_model
+    from pipeline.consumers.warmstart.sft import build_sft_model
 
     cfg = warm["cfg"]
     pairs = tokenize_pairs(sft_prompts(cfg.warmstart, cfg.prompts)[:64], AutoTokenizer.from_pretrained(str(model_dir)), where="test")
@@ -179,7 +179,7 @@ def test_micro_batches_accumulate_to_the_whole_batch_gradient(warm: dict[str, An
 def test_the_checkpoint_holds_the_exported_weights(warm: dict[str, Any], model_dir: Path) -> None:
     from pipeline.consumers.megatron.checkpoint import load_checkpoint
     from pipeline.consumers.megatron.model import shutdown_parallel
-    from pipeline.consumers.sft import build_sft_model, sft_adamw
+    from pipeline.consumers.warmstart.sft import build_sft_model, sft_adamw
 
     run_dir = warm["run_dir"]
     try:
@@ -228,7 +228,7 @@ def _train_until(warm: dict[str, Any], model_dir: Path, tmp_path: Path, pairs_co
     from transformers import AutoTokenizer
 
     from pipeline.consumers.megatron.model import shutdown_parallel
-    from pipeline.consumers.sft import build_sft_model, train_steps
+    from pipeline.consumers.warmstart.sft import build_sft_model, train_steps
 
     cfg = warm["cfg"]
     pairs = tokenize_pairs(sft_prompts(cfg.warmstart, cfg.prompts)[:pairs_count], AutoTokenizer.from_pretrained(str(model_dir)),
@@ -262,7 +262,7 @@ def test_the_training_exact_match_is_what_greedy_decoding_gets_right(warm: dict[
     from transformers import AutoTokenizer
 
     from pipeline.consumers.megatron.model import forward_logits, shutdown_parallel
-    from pipeline.consumers.sft import build_sft_model
+    from pipeline.consumers.warmstart.sft import build_sft_model
 
     cfg, run_dir = warm["cfg"], warm["run_dir"]
     model_dir = warmstart_model_dir(run_dir)

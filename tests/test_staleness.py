@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from pipeline.config.staleness import StalenessConfig
-from pipeline.consumers.staleness import (
+from pipeline.consumers.trainer.staleness import (
     Action,
     GroupVersions,
     StalenessCounts,

@@ -25,16 +25,16 @@ pytest.importorskip("megatron.core")
 from train_samples import synthetic_groups, tiny_moe  # noqa: E402
 
 from pipeline.config.trainer import CorrectionConfig, LossConfig, TrainStepConfig  # noqa: E402
-from pipeline.consumers.batch import (  # noqa: E402
+from pipeline.consumers.megatron.config import ModelConfig, ParallelConfig  # noqa: E402
+from pipeline.consumers.megatron.convert import load_hf_into_megatron, megatron_to_hf_state_dict  # noqa: E402
+from pipeline.consumers.megatron.model import build_gpt_model, init_parallel  # noqa: E402
+from pipeline.consumers.rl.batch import (  # noqa: E402
     RoutingShape,
     collate,
     empty_like,
     split_micro_batches,
 )
-from pipeline.consumers.megatron.config import ModelConfig, ParallelConfig  # noqa: E402
-from pipeline.consumers.megatron.convert import load_hf_into_megatron, megatron_to_hf_state_dict  # noqa: E402
-from pipeline.consumers.megatron.model import build_gpt_model, init_parallel  # noqa: E402
-from pipeline.consumers.train_step import TrainStep, shard_groups  # noqa: E402
+from pipeline.consumers.rl.train_step import TrainStep, shard_groups  # noqa: E402
 from pipeline.errors import ConfigError, SampleError  # noqa: E402
 from pipeline.models.tiny import init_tiny_model  # noqa: E402
 from pipeline.queue.sample import Sample, SampleStatus, SamplingInfo  # noqa: E402

@@ -19,8 +19,8 @@ import pytest
 from train_samples import routed_groups
 
 from pipeline.config import load_config
-from pipeline.consumers.audit import audit_trainer
 from pipeline.consumers.megatron.checkpoint import read_checkpoint_meta
+from pipeline.consumers.trainer.audit import audit_trainer
 from pipeline.launch.launcher import prepare_run
 from pipeline.producers.producer import read_num_experts
 from pipeline.queue.archive import parse_id

@@ -22,9 +22,9 @@ from pipeline.config.trainer import CorrectionConfig, LossConfig, LRScheduleConf
 from pipeline.consumers.megatron.config import ModelConfig, ParallelConfig  # noqa: E402
 from pipeline.consumers.megatron.convert import load_hf_into_megatron  # noqa: E402
 from pipeline.consumers.megatron.model import build_gpt_model, init_parallel  # noqa: E402
-from pipeline.consumers.optim import MasterWeightOptimizer  # noqa: E402
-from pipeline.consumers.schedule import lr_at  # noqa: E402
-from pipeline.consumers.train_step import TrainStep  # noqa: E402
+from pipeline.consumers.rl.optim import MasterWeightOptimizer  # noqa: E402
+from pipeline.consumers.rl.schedule import lr_at  # noqa: E402
+from pipeline.consumers.rl.train_step import TrainStep  # noqa: E402
 from pipeline.errors import ConfigError  # noqa: E402
 
 SIZES = [4, 4, 4, 4]

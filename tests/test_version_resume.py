@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from pipeline.consumers.trainer import RedisClock
+from pipeline.consumers.trainer.loop import RedisClock
 from pipeline.queue.redis_streams import RESUME_EVENT, SampleQueue
 
 ROOT = Path(__file__).parent.parent

@@ -188,9 +188,9 @@ def record_engine_routing(cache_dir: Path, layers: int, num_experts: int, topk: 
 
 async def _record(folder: Path, info: dict[str, Any]) -> dict[str, np.ndarray]:
     from pipeline.benchmarks.rollout import _Engine
+    from pipeline.data.prompts import synthetic
     from pipeline.models.tiny import init_tiny_model
     from pipeline.producers.producer import load_tokenize
-    from pipeline.producers.prompts import synthetic
     from pipeline.producers.sglang_client import SGLangClient
 
     p, r, n = info["prompt_tokens"], info["response_tokens"], info["group_size"]

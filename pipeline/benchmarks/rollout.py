@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config.producer import ProducerConfig, SamplingConfig
+from pipeline.data.prompts import synthetic
 from pipeline.errors import EngineError
 from pipeline.producers.producer import Producer, load_tokenize, read_num_experts
-from pipeline.producers.prompts import synthetic
 from pipeline.producers.rewards import exact_match
 from pipeline.producers.sglang_client import NO_RETRY, SGLangClient
 from pipeline.queue.redis_server import EmbeddedRedis, free_port

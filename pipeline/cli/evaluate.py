@@ -25,7 +25,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def _eval_heldout(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from pipeline.consumers.heldout import evaluate_run, read_heldout
+    from pipeline.heldout.evaluate import evaluate_run, read_heldout
     from pipeline.launch.launcher import CONFIG_FILE, load_run_config
     from pipeline.observe.report import format_heldout
 
@@ -34,7 +34,10 @@ def _eval_heldout(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     if not (run_dir / CONFIG_FILE).is_file():
         raise SluiceError(f"{run_dir} has no {CONFIG_FILE}: not the folder of a `sluice run`")
-    new = evaluate_run(run_dir, load_run_config(run_dir), checkpoints=args.checkpoints)
+    cfg = load_run_config(run_dir)
+    new = evaluate_run(run_dir, evaluation=cfg.eval, producer=cfg.producer, prompts=cfg.prompts, model=cfg.model,
+                       engine=cfg.engine, run=cfg.run, plugins=cfg.plugins, metrics=cfg.metrics, trainer=cfg.trainer,
+                       checkpoints=args.checkpoints)
     metrics = run_dir / "eval" / "metrics.jsonl"
     show(args, {"evaluated": new, "all": list(read_heldout(metrics).values())},
            lambda _: print(f"evaluated {len(new)} new version(s) {[d['version'] for d in new]}\n"
@@ -45,7 +48,7 @@ def _eval_heldout(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from pipeline.export import export_run
+    from pipeline.consumers.export import export_run
 
     res = export_run(Path(args.run_dir), Path(args.to), args.step)
     out = {"folder": str(res.folder), "checkpoint": res.checkpoint.name, "step": res.step,

@@ -76,7 +76,7 @@ def cmd_queue_audit(args: argparse.Namespace) -> int:
     try:
         rep = asdict(audit(handle.queue, with_samples=args.samples))
         if handle.run_dir is not None and (handle.run_dir / "ledger").is_dir():
-            from pipeline.consumers.audit import audit_trainer
+            from pipeline.consumers.trainer.audit import audit_trainer
 
             rep["trainer_ledger"] = asdict(audit_trainer(handle.queue, handle.run_dir))
     finally:

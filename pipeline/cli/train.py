@@ -17,7 +17,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         from pipeline.consumers.megatron.plan import dry_run_plan
 
         print(dump_config(cfg))
-        print(dry_run_plan(cfg))  # raises, naming why, for a layout that cannot run or cannot fit
+        # raises, naming why, for a layout that cannot run or cannot fit
+        print(dry_run_plan(cfg.trainer, cfg.model, cfg.hardware))
         return 0
     from pipeline.launch.launcher import run
     from pipeline.metrics import check_metrics_config
@@ -30,8 +31,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     cfg = load_recipe(args)
-    from pipeline.consumers.replay import parse_range
-    from pipeline.consumers.train_main import run_replay
+    from pipeline.consumers.trainer.main import run_replay
+    from pipeline.consumers.trainer.replay import parse_range
     from pipeline.launch.launcher import model_folder
 
     id_range = parse_range(args.range)
@@ -42,7 +43,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
         print(f"sluice: error: no model at {model_dir}; set model.path to the run's starting model "
               f"(e.g. {hint})", file=sys.stderr)
         return 2
-    model_out = run_replay(cfg, model_dir, Path(args.source), id_range, Path(cfg.run.run_dir))
+    model_out = run_replay(model_dir, Path(args.source), id_range, Path(cfg.run.run_dir), run=cfg.run, model=cfg.model,
+                           trainer=cfg.trainer, staleness=cfg.staleness, filters=cfg.filters, metrics=cfg.metrics,
+                           hooks=cfg.hooks)
     print(json.dumps({"model": str(model_out), "metrics": str(Path(cfg.run.run_dir) / "metrics" / "trainer.jsonl")}))
     return 0
 
@@ -51,12 +54,13 @@ def cmd_sft(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     cfg = load_recipe(args)
-    from pipeline.consumers.sft import run_warmstart
-    from pipeline.consumers.sft_config import format_summary, warmstart_model_dir
+    from pipeline.consumers.warmstart.config import format_summary, warmstart_model_dir
+    from pipeline.consumers.warmstart.sft import run_warmstart
     from pipeline.launch.launcher import ensure_base_model
 
     run_dir = Path(cfg.run.run_dir)
-    summary = run_warmstart(cfg, run_dir, ensure_base_model(cfg))
+    summary = run_warmstart(run_dir, ensure_base_model(cfg), warmstart=cfg.warmstart, prompts=cfg.prompts, run=cfg.run,
+                            model=cfg.model)
     print(format_summary(summary))
     print(f"model: {warmstart_model_dir(run_dir)}  (metrics: {run_dir / 'metrics' / 'warmstart.jsonl'})")
     return 0

@@ -9,8 +9,8 @@ here.
 Sections, one module each: ``run`` (with ``[plugins]``), ``model``, ``engine``, ``producer`` (sampling, rewards),
 ``prompts``, ``staleness``, ``filters``, ``trainer`` (train step, loss, lr schedule), ``warmstart``, ``sync``,
 ``queue`` (with its archive), ``eval`` (stream evaluator, held-out), ``hooks``, ``metrics``, ``ray``, ``hardware``;
-the root and the loading in ``root``. Components take their own sections, not the root; ``root.root_to_sections``
-lets the callers not yet changed (the launcher's processes, the CLI, the export) still hand over the root.
+the root and the loading in ``root``. Components take their own sections, not the root:
+only the composition roots (the launcher's processes and the CLI) hold the whole ``SluiceConfig``.
 """
 
 from pipeline.config.engine import EngineConfig

@@ -1,5 +1,5 @@
 """``[eval]``: the stream evaluator attached to the run (``pipeline.consumers.evaluator``) and held-out evaluation by
-generation (``[eval.heldout]``, ``pipeline.consumers.heldout``)."""
+generation (``[eval.heldout]``, ``pipeline.heldout.evaluate``)."""
 
 from __future__ import annotations
 

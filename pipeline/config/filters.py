@@ -1,4 +1,5 @@
-"""``[filters]``: which drained prompt groups the trainer keeps (``pipeline.consumers.filters`` applies them)."""
+"""``[filters]``: which drained prompt groups the trainer keeps (``pipeline.consumers.trainer.filters`` applies
+them)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``[hooks]``: user functions the trainer calls as the run goes (``pipeline.consumers.hooks`` calls them)."""
+"""``[hooks]``: user functions the trainer calls as the run goes (``pipeline.consumers.trainer.hooks`` calls them)."""
 
 from __future__ import annotations
 

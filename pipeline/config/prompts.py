@@ -1,7 +1,7 @@
 """``[prompts]``: where prompts come from, and the held-out split.
 
 The synthetic tasks' sizes live here, since validation needs them (``prompts.size + prompts.heldout`` must fit a
-task); the tasks themselves are ``pipeline.producers.prompts.SYNTHETIC_TASKS``, which takes its sizes from here.
+task); the tasks themselves are ``pipeline.data.prompts.SYNTHETIC_TASKS``, which takes its sizes from here.
 """
 
 from __future__ import annotations

@@ -7,7 +7,6 @@ span sections live here; each section's own are in its module.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import tomllib
@@ -284,29 +283,3 @@ def dump_config(cfg: SluiceConfig) -> str:
 
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-def root_to_sections(**sections: str) -> Callable[[F], F]:
-    """Transitional, for callers not yet changed to pass sections (the launcher's processes, the CLI, the export):
-    a function that now takes its recipe sections as keywords may still be handed the whole ``SluiceConfig`` as a
-    positional argument, which is replaced by the sections named here (keyword -> section of the root, dotted for a
-    nested one, e.g. ``evaluation="eval"``, ``heldout="eval.heldout"``). Remove it from a function once every call
-    passes the sections."""
-
-    def wrap(fn: F) -> F:
-        @functools.wraps(fn)
-        def call(*args: Any, **kwargs: Any) -> Any:
-            roots = [a for a in args if isinstance(a, SluiceConfig)]
-            if not roots:
-                return fn(*args, **kwargs)
-            root = roots[0]
-            for keyword, path in sections.items():
-                section: Any = root
-                for name in path.split("."):
-                    section = getattr(section, name)
-                kwargs.setdefault(keyword, section)
-            return fn(*(a for a in args if a is not root), **kwargs)
-
-        return call  # type: ignore[return-value]
-
-    return wrap

@@ -1,5 +1,5 @@
-"""``[staleness]``: how old a prompt group may be when the trainer drains it (``pipeline.consumers.staleness`` applies
-it)."""
+"""``[staleness]``: how old a prompt group may be when the trainer drains it
+(``pipeline.consumers.trainer.staleness`` applies it)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """``[trainer]``: the train step (R3, micro-batching, optimizer), its loss and learning-rate schedule, and the loop's
-own settings. Pure configuration: loading a recipe imports no torch (``pipeline.consumers.loss``, ``schedule`` and
+own settings. Pure configuration: loading a recipe imports no torch (``pipeline.consumers.rl.loss``, ``schedule`` and
 ``train_step`` do the work)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""``[warmstart]``: supervised fine-tuning before RL (``pipeline.consumers.sft`` runs it; ``sft_config`` has its
-folders)."""
+"""``[warmstart]``: supervised fine-tuning before RL
+(``pipeline.consumers.warmstart.sft`` runs it; ``pipeline.consumers.warmstart.config`` has its folders)."""
 
 from __future__ import annotations
 

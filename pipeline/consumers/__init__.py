@@ -1,1 +1,3 @@
-"""Queue consumers: the staleness policy, the Megatron-core trainer, the evaluator and offline replay."""
+"""Queue consumers: the trainer (``trainer/``: loop, drain, commit, checkpoints), the RL maths (``rl/``), the warm start
+(``warmstart/``), the Megatron-core model (``megatron/``), the stream evaluator (``evaluator``) and the checkpoint
+export (``export``)."""

@@ -38,7 +38,7 @@ current figure; a crash can lose at most the lines of one commit, never a count.
 (:attr:`Evaluator.aggregate`) is refreshed from the hash the same way.
 
 Evaluation by generation (held-out prompts sent through an engine every K policy versions) is
-``pipeline.consumers.heldout``; its lines share the metrics file, with ``"kind": "heldout"`` (these have
+``pipeline.heldout.evaluate``; its lines share the metrics file, with ``"kind": "heldout"`` (these have
 ``"kind": "eval"``).
 """
 

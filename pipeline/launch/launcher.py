@@ -27,7 +27,7 @@ import httpx
 import redis
 
 from pipeline.config import RoleResources, SluiceConfig, public_dict
-from pipeline.consumers.sft_config import format_summary, read_done, warmstart_dir, warmstart_model_dir
+from pipeline.consumers.warmstart.config import format_summary, read_done, warmstart_dir, warmstart_model_dir
 from pipeline.errors import EngineError, SluiceError
 from pipeline.launch.cluster import ProcessSpec, RestartBudget, check_resources
 from pipeline.launch.control import Interrupted, RedisWatch, RunLock, RunLockedError, StopRequest
@@ -431,7 +431,7 @@ def _start_children(cfg: SluiceConfig, sup: Supervisor, handle: RunHandle, model
     run_dir = Path(cfg.run.run_dir).resolve()
     if cfg.warmstart.enabled:
         warm_start(cfg, run_dir, sup, pause)
-    from pipeline.consumers.checkpoints import latest_checkpoint
+    from pipeline.consumers.trainer.checkpoints import latest_checkpoint
 
     placement = trainer_placement(cfg)
     # A trainer that started before (``Trainer.resume``) may have left the engines half-pushed: not a fresh start.
@@ -572,7 +572,7 @@ def _restart_trainer_group(cfg: SluiceConfig, sup: Supervisor, trainers: set[str
 
 
 def _stopped_summary(run_dir: Path, stop: StopRequest) -> str:
-    from pipeline.consumers.checkpoints import latest_checkpoint
+    from pipeline.consumers.trainer.checkpoints import latest_checkpoint
 
     latest = latest_checkpoint(run_dir / "checkpoints")
     committed = "no checkpoint yet" if latest is None else f"last checkpoint {latest.name}"
@@ -589,7 +589,7 @@ def _stopped_summary(run_dir: Path, stop: StopRequest) -> str:
 def _wait_for_heldout(sup: Supervisor, run_dir: Path, timeout_s: float,
                       pause: Callable[[float], None] = time.sleep) -> None:
     """Keep the evaluator supervised until it has evaluated the final snapshot, or ``timeout_s`` passed."""
-    from pipeline.consumers.heldout import caught_up
+    from pipeline.heldout.evaluate import caught_up
 
     deadline = time.monotonic() + timeout_s
     while not caught_up(run_dir):

@@ -66,7 +66,7 @@ def trainer_main(run_dir: Path) -> None:
     """One trainer rank (RANK/WORLD_SIZE/MASTER_* come from the launcher's environment)."""
     import torch.distributed as dist
 
-    from pipeline.consumers.train_main import run_trainer
+    from pipeline.consumers.trainer.main import run_trainer
     from pipeline.producers.sglang_client import SGLangClient
 
     bind_rank0_store()  # before the heavy imports, so that the other ranks can start joining at once
@@ -81,7 +81,9 @@ def trainer_main(run_dir: Path) -> None:
         return [SGLangClient(u) for u in urls]
 
     try:
-        run_trainer(run_dir, cfg, model_folder(cfg), engines=engines)
+        run_trainer(run_dir, model_folder(cfg), engines=engines, run=cfg.run, model=cfg.model, engine=cfg.engine,
+                    trainer=cfg.trainer, staleness=cfg.staleness, filters=cfg.filters, queue=cfg.queue, sync=cfg.sync,
+                    heldout=cfg.eval.heldout, metrics=cfg.metrics, hooks=cfg.hooks)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -104,12 +106,13 @@ def wait_for_engines(run_dir: Path, timeout_s: float, poll_s: float = 0.2) -> li
 
 def evaluator_main(run_dir: Path) -> None:
     """The evaluator consumers of the run (stream aggregates, held-out generation), until SIGTERM."""
-    from pipeline.consumers.heldout import serve_evaluators
+    from pipeline.heldout.evaluate import serve_evaluators
 
     cfg = load_run_config(run_dir)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    serve_evaluators(run_dir, cfg, stop)
+    serve_evaluators(run_dir, stop, evaluation=cfg.eval, producer=cfg.producer, prompts=cfg.prompts, model=cfg.model,
+                     engine=cfg.engine, run=cfg.run, plugins=cfg.plugins, metrics=cfg.metrics)
 
 
 def bind_rank0_store() -> None:
@@ -145,10 +148,11 @@ def archiver_main(run_dir: Path) -> None:
 
 def sft_main(run_dir: Path) -> None:
     """The run's warm start (SFT of the base model into RUN_DIR/warmstart), then exit; the launcher waits for it."""
-    from pipeline.consumers.sft import run_warmstart
+    from pipeline.consumers.warmstart.sft import run_warmstart
 
     cfg = load_run_config(run_dir)
-    run_warmstart(cfg, run_dir, base_model_folder(cfg))
+    run_warmstart(run_dir, base_model_folder(cfg), warmstart=cfg.warmstart, prompts=cfg.prompts, run=cfg.run,
+                  model=cfg.model)
 
 
 ROLES = {"producer": producer_main, "trainer": trainer_main, "evaluator": evaluator_main, "archiver": archiver_main,

@@ -110,7 +110,7 @@ def collect(run_dir: Path, queue: SampleQueue | None, total_steps: int, window: 
             rows: list[dict[str, Any]] | None = None) -> RunStatus:
     """The run's status now, from its files and (when given) its Redis; ``rows``: the trainer's last lines, when
     the caller keeps them (``TrainerTail``)."""
-    from pipeline.consumers.heldout import read_heldout
+    from pipeline.heldout.evaluate import read_heldout
 
     now = time.time()
     if rows is None:

@@ -167,7 +167,7 @@ def plot_throughput(rows: list[dict[str, Any]], producers: dict[str, list[dict[s
 def write_plots(run_dir: Path) -> dict[str, Path]:
     """Every plot of the run into ``RUN_DIR/plots``; returns them by name. Notes on missing series are logged into
     ``plots/README.txt`` (what a plot could not show, and why)."""
-    from pipeline.consumers.heldout import read_heldout
+    from pipeline.heldout.evaluate import read_heldout
 
     run_dir = Path(run_dir)
     folder = run_dir / PLOTS_DIR

@@ -75,7 +75,7 @@ def format_curve(curve: list[tuple[int, int, float]]) -> str:
 
 def format_heldout(metrics_path: Path) -> str:
     """Held-out pass rates per evaluated version (the ``"kind": "heldout"`` lines of ``eval/metrics.jsonl``)."""
-    from pipeline.consumers.heldout import read_heldout
+    from pipeline.heldout.evaluate import read_heldout
 
     rows = read_heldout(metrics_path)
     if not rows:

@@ -1,1 +1,1 @@
-"""Rollout producers: engine clients (SGLang HTTP), the CPU engine, prompt sources, rewards and the producer loop."""
+"""Rollout producers: engine clients (SGLang HTTP), the CPU engine, the prompt cursor, rewards and the producer loop."""

@@ -29,9 +29,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.config.producer import BUILTIN_ROLLOUT, ROLLOUT_SIGNATURE, ProducerConfig
 from pipeline.config.prompts import PromptConfig
+from pipeline.data.prompts import Prompt, PromptSource, setup_prompts
 from pipeline.errors import ConfigError, EngineError, SampleError
 from pipeline.producers.base import EngineClient
-from pipeline.producers.prompts import Prompt, PromptCursor, PromptSource, setup_prompts
+from pipeline.producers.cursor import PromptCursor
 from pipeline.producers.rewards import RewardFn, RewardOutcome, RewardScorer, SampleScorer, setup_scorer
 from pipeline.producers.rollout import RolloutContext, RolloutEngine, RolloutFn, TextCodec, Trajectory, single_turn
 from pipeline.producers.sglang_client import NO_RETRY, EnginePool, EngineRequestError, SGLangClient

@@ -36,9 +36,9 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 from pipeline.config.producer import GROUP_REWARD_SIGNATURE, REWARD_SIGNATURE, RewardConfig, expand_env
+from pipeline.data.prompts import Prompt
 from pipeline.errors import ConfigError, SluiceError
 from pipeline.plugins import resolve
-from pipeline.producers.prompts import Prompt
 
 if TYPE_CHECKING:
     import aiohttp

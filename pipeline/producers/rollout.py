@@ -39,9 +39,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from pipeline.data.prompts import Prompt
 from pipeline.errors import EngineError, SampleError
 from pipeline.producers.base import EngineClient, GenerateResult
-from pipeline.producers.prompts import Prompt
 
 # Later turns of a seeded trajectory get seeds of their own, far from every sample's first-turn seed (seed + j).
 _TURN_SEED_STRIDE = 1_000_003

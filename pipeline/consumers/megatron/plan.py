@@ -30,7 +30,6 @@ from typing import Literal
 
 from pipeline.config.hardware import HardwareConfig
 from pipeline.config.model import ModelSource
-from pipeline.config.root import root_to_sections
 from pipeline.config.trainer import TrainerConfig
 from pipeline.errors import ConfigError
 from pipeline.models.config import ModelConfig
@@ -223,7 +222,6 @@ def plan_model_config(model: ModelSource, hardware: HardwareConfig) -> tuple[Mod
     return ModelConfig.from_hf(json.loads(source.read_text())), str(source)
 
 
-@root_to_sections(trainer="trainer", model="model", hardware="hardware")  # the CLI's call: pipeline/cli/train.py
 def dry_run_plan(trainer: TrainerConfig, model: ModelSource, hardware: HardwareConfig) -> str:
     """The dry run's plan: the model, the layout and one rank's memory; ConfigError for a layout that cannot run
     or cannot fit (every reason at once)."""

@@ -15,10 +15,64 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from pipeline.config.model import ModelSource
+from pipeline.config.run import RunConfig
+from pipeline.config.trainer import TrainStepConfig
 from pipeline.errors import ConfigError
 
 EXPORT_META = "sluice_export.json"
+
+
+def run_checkpoints(run_dir: str | Path) -> list[Path]:
+    """The run's complete Megatron checkpoints (``checkpoints/step-N``), oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    return sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
+
+
+class CheckpointExporter:
+    """Turns a run's Megatron checkpoints into HF folders, in this process (world size 1, any saved layout).
+
+    The model is built once, with the trainer's architecture and router-replay setting, and each checkpoint's
+    weights are loaded into it (resharded from the trainer's TP/EP layout by megatron's dist-checkpointing).
+    """
+
+    def __init__(self, model_dir: Path, *, run: RunConfig, model: ModelSource, trainer: TrainStepConfig) -> None:
+        self.model_dir = model_dir
+        self.seed, self.r3, self.spec = run.seed, trainer.r3, model.spec
+        self._model: Any = None
+        self._model_cfg: Any = None
+
+    def export(self, checkpoint: Path, out: Path) -> None:
+        from pipeline.consumers.megatron.checkpoint import load_checkpoint
+        from pipeline.consumers.trainer.main import export_hf_model
+
+        if self._model is None:
+            self._build()
+        load_checkpoint(checkpoint, self._model, None)
+        export_hf_model(self._model, self._model_cfg, self.model_dir, out)
+
+    def _build(self) -> None:
+        import torch
+
+        from pipeline.consumers.megatron.config import ModelConfig, ParallelConfig
+        from pipeline.consumers.megatron.model import build_gpt_model, init_parallel
+
+        torch.set_num_threads(1)
+        hf_config = json.loads((self.model_dir / "config.json").read_text())
+        self._model_cfg = ModelConfig.from_hf(hf_config)
+        init_parallel(ParallelConfig(), seed=self.seed)
+        # The trainer's model.spec too: its checkpoints hold the user modules' weights, and the export must carry them.
+        self._model = build_gpt_model(self._model_cfg, ParallelConfig(), r3=self.r3, spec=self.spec,
+                                      hf_config=hf_config)
+
+    def close(self) -> None:
+        if self._model is not None:
+            from pipeline.consumers.megatron.model import shutdown_parallel
+
+            shutdown_parallel()
+            self._model = None
 
 
 @dataclass(frozen=True)
@@ -33,8 +87,6 @@ class ExportResult:
 
 def find_checkpoint(run_dir: Path, step: int | None) -> Path:
     """The run's checkpoint of ``step``, or its newest complete one; an error lists what there is."""
-    from pipeline.consumers.heldout import run_checkpoints
-
     found = run_checkpoints(run_dir)
     if not found:
         raise ConfigError(f"{run_dir} has no complete checkpoint under checkpoints/ (step-N folders): the trainer "
@@ -55,7 +107,6 @@ def _step_of(ckpt: Path) -> int:
 
 def export_run(run_dir: Path, out: Path, step: int | None = None) -> ExportResult:
     """Write the checkpoint of ``step`` (default: the newest) of the run in ``run_dir`` as an HF folder ``out``."""
-    from pipeline.consumers.heldout import CheckpointExporter
     from pipeline.consumers.megatron.checkpoint import read_checkpoint_meta
     from pipeline.launch.launcher import CONFIG_FILE, load_run_config, model_folder
 
@@ -76,7 +127,7 @@ def export_run(run_dir: Path, out: Path, step: int | None = None) -> ExportResul
                           "tokenizer from there (restore that folder, or the run's model.path)")
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    exporter = CheckpointExporter(cfg, like)
+    exporter = CheckpointExporter(like, run=cfg.run, model=cfg.model, trainer=cfg.trainer)
     try:
         exporter.export(ckpt, tmp)
     finally:

@@ -27,12 +27,12 @@ import msgpack
 import torch
 import torch.distributed as dist
 
-from pipeline.consumers.checkpoints import latest_checkpoint, prune_checkpoints
-from pipeline.consumers.drain import Batch
-from pipeline.consumers.hooks import HookRunner
-from pipeline.consumers.ledger import Ledger, LedgerLine
-from pipeline.consumers.profiling import StepProfiler
-from pipeline.consumers.staleness import lag_histogram
+from pipeline.consumers.trainer.checkpoints import latest_checkpoint, prune_checkpoints
+from pipeline.consumers.trainer.drain import Batch
+from pipeline.consumers.trainer.hooks import HookRunner
+from pipeline.consumers.trainer.ledger import Ledger, LedgerLine
+from pipeline.consumers.trainer.profiling import StepProfiler
+from pipeline.consumers.trainer.staleness import lag_histogram
 from pipeline.errors import SyncError
 from pipeline.queue.codec import decode_samples, encode_samples
 from pipeline.queue.redis_streams import RESUME_EVENT, SampleQueue
@@ -114,7 +114,7 @@ class RedisClock:
 
     def restored(self, version: int, base: int) -> None:
         """``version`` (the next push) holds the weights of ``base``: the drain judges lags along the lineage."""
-        from pipeline.consumers.drain import record_restore
+        from pipeline.consumers.trainer.drain import record_restore
 
         record_restore(self.queue, version, base)
 
@@ -191,7 +191,7 @@ class Trainer:
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.snapshots = snapshots  # a SnapshotWriter on rank 0 when held-out evaluation is on
         self.scalars = scalars  # rank 0's TensorBoard (and W&B) mirror of the metrics lines (pipeline.metrics)
-        self.hooks = hooks  # rank 0's user hooks (pipeline.consumers.hooks)
+        self.hooks = hooks  # rank 0's user hooks (pipeline.consumers.trainer.hooks)
         self.profiler = StepProfiler(settings.profile_steps, settings.run_dir, self.rank)
         self.ckpt_root = settings.run_dir / "checkpoints"
         self.metrics_path = settings.run_dir / "metrics" / "trainer.jsonl"

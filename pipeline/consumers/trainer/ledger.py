@@ -20,7 +20,7 @@ from typing import Literal
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-# filtered: the staleness policy accepted the group but a group filter (pipeline.consumers.filters) dropped it.
+# filtered: the staleness policy accepted the group but a group filter (pipeline.consumers.trainer.filters) dropped it.
 Fate = Literal["trained", "stale", "invalid", "filtered"]
 FATES: tuple[Fate, ...] = ("trained", "stale", "invalid", "filtered")
 

@@ -19,9 +19,16 @@ from typing import Any, Literal
 
 from pipeline.config.filters import FilterConfig
 from pipeline.config.staleness import StalenessConfig
-from pipeline.consumers.filters import FilterCounts, FilterVerdict, GroupFilters
-from pipeline.consumers.ledger import Ledger, LedgerLine
-from pipeline.consumers.staleness import LINEAR, GroupDecision, GroupVersions, Lineage, StalenessCounts, decide_group
+from pipeline.consumers.trainer.filters import FilterCounts, FilterVerdict, GroupFilters
+from pipeline.consumers.trainer.ledger import Ledger, LedgerLine
+from pipeline.consumers.trainer.staleness import (
+    LINEAR,
+    GroupDecision,
+    GroupVersions,
+    Lineage,
+    StalenessCounts,
+    decide_group,
+)
 from pipeline.queue.base import QueueEntry
 from pipeline.queue.keys import parse_slot_item
 from pipeline.queue.redis_streams import SampleQueue

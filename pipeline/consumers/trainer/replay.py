@@ -17,10 +17,10 @@ from pathlib import Path
 
 from pipeline.config.filters import FilterConfig
 from pipeline.config.staleness import StalenessConfig
-from pipeline.consumers.drain import Batch, judge_group
-from pipeline.consumers.filters import GroupFilters
-from pipeline.consumers.ledger import Ledger
-from pipeline.consumers.trainer import LocalClock
+from pipeline.consumers.trainer.drain import Batch, judge_group
+from pipeline.consumers.trainer.filters import GroupFilters
+from pipeline.consumers.trainer.ledger import Ledger
+from pipeline.consumers.trainer.loop import LocalClock
 from pipeline.errors import ConfigError, SampleDecodeError
 from pipeline.queue.sample import Sample
 
@@ -37,8 +37,9 @@ class ReplayRecovery:
 class ReplaySource:
     """Batches from a recording, judged by the staleness policy against the replay clock and by the group filters.
 
-    It judges groups with the live drain's :func:`~pipeline.consumers.drain.judge_group`, so a filter drops the same
-    groups in a replay as in the run. A group the policy would requeue is recorded as stale: there are no producers.
+    It judges groups with the live drain's :func:`~pipeline.consumers.trainer.drain.judge_group`, so a filter drops
+    the same groups in a replay as in the run. A group the policy would requeue is recorded as stale: there are no
+    producers.
     """
 
     def __init__(self, records: Iterator[Record], staleness: StalenessConfig, ledger: Ledger,

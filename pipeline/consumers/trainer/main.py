@@ -20,16 +20,15 @@ from pipeline.config.hooks import HooksConfig
 from pipeline.config.metrics import MetricsConfig
 from pipeline.config.model import ModelSource
 from pipeline.config.queue import QueueConfig
-from pipeline.config.root import root_to_sections
 from pipeline.config.run import RunConfig
 from pipeline.config.staleness import StalenessConfig
 from pipeline.config.sync import SyncConfig
 from pipeline.config.trainer import TrainerConfig
-from pipeline.consumers.drain import Drainer
-from pipeline.consumers.hooks import HookRunner
-from pipeline.consumers.ledger import Ledger
-from pipeline.consumers.snapshots import SnapshotWriter
-from pipeline.consumers.trainer import RedisClock, Trainer, TrainerSettings
+from pipeline.consumers.trainer.drain import Drainer
+from pipeline.consumers.trainer.hooks import HookRunner
+from pipeline.consumers.trainer.ledger import Ledger
+from pipeline.consumers.trainer.loop import RedisClock, Trainer, TrainerSettings
+from pipeline.consumers.trainer.snapshots import SnapshotWriter
 from pipeline.errors import ConfigError
 from pipeline.metrics import open_sinks
 from pipeline.sync.base import WeightUpdateEngine
@@ -51,7 +50,7 @@ def build_rank(model_dir: Path, *, trainer: TrainerConfig, run: RunConfig, model
     )
     from pipeline.consumers.megatron.convert import load_hf_into_megatron
     from pipeline.consumers.megatron.model import build_gpt_model, init_parallel
-    from pipeline.consumers.train_step import TrainStep
+    from pipeline.consumers.rl.train_step import TrainStep
 
     hf_config = json.loads((model_dir / "config.json").read_text())
     model_cfg = ModelConfig.from_hf(hf_config)
@@ -70,9 +69,6 @@ def build_rank(model_dir: Path, *, trainer: TrainerConfig, run: RunConfig, model
     return model_cfg, megatron_model, step.optimizer, step
 
 
-@root_to_sections(run="run", model="model", engine="engine", trainer="trainer", staleness="staleness",
-                  filters="filters", queue="queue", sync="sync", heldout="eval.heldout", metrics="metrics",
-                  hooks="hooks")  # the trainer process's call: pipeline/launch/processes.py
 def run_trainer(run_dir: Path, model_dir: Path,
                 engines: Sequence[WeightUpdateEngine] | Callable[[], Sequence[WeightUpdateEngine]] | None = None, *,
                 run: RunConfig, model: ModelSource, engine: EngineConfig, trainer: TrainerConfig,
@@ -206,19 +202,17 @@ def model_dtype(model_dir: Path) -> str | None:
     return name if name in ("bfloat16", "float16", "float32") else None
 
 
-@root_to_sections(run="run", model="model", trainer="trainer", staleness="staleness", filters="filters",
-                  metrics="metrics", hooks="hooks")  # the CLI's call: pipeline/cli/train.py
 def run_replay(model_dir: Path, source: Path, id_range: tuple[str | None, str | None] | None, out_dir: Path, *,
                run: RunConfig, model: ModelSource, trainer: TrainerConfig, staleness: StalenessConfig,
                filters: FilterConfig, metrics: MetricsConfig, hooks: HooksConfig) -> Path:
     """Train on a recording (archive or run stream) into ``out_dir``; returns the trained model's HF folder."""
     from megatron.core import parallel_state as ps
 
-    from pipeline.consumers.checkpoints import latest_checkpoint
     from pipeline.consumers.megatron.checkpoint import read_checkpoint_meta
     from pipeline.consumers.megatron.model import shutdown_parallel
-    from pipeline.consumers.replay import ReplaySource, first_version, open_records
-    from pipeline.consumers.trainer import LocalClock
+    from pipeline.consumers.trainer.checkpoints import latest_checkpoint
+    from pipeline.consumers.trainer.loop import LocalClock
+    from pipeline.consumers.trainer.replay import ReplaySource, first_version, open_records
 
     out_dir.mkdir(parents=True, exist_ok=True)
     model_cfg, megatron_model, optimizer, step = build_rank(model_dir, trainer=trainer, run=run, model=model)

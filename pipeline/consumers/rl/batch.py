@@ -33,8 +33,8 @@ import numpy as np
 import torch
 
 from pipeline.config.trainer import AdvantageConfig
-from pipeline.consumers.loss import grpo_advantages
 from pipeline.consumers.megatron.router_replay import pad_routing, to_megatron_layers
+from pipeline.consumers.rl.loss import grpo_advantages
 from pipeline.errors import ConfigError, SampleError
 from pipeline.queue.sample import Sample, SampleStatus
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.config.trainer import TrainStepConfig
-from pipeline.consumers.schedule import set_lr
+from pipeline.consumers.rl.schedule import set_lr
 from pipeline.errors import ConfigError
 
 log = logging.getLogger(__name__)

@@ -49,7 +49,7 @@ class LossInputs:
     """What a loss plug-in gets for one micro-batch; every tensor is on the model's device.
 
     Per-token tensors are ``[B, T-1]``: column ``t`` is the prediction of token ``t + 1`` of the row (the layout of
-    ``pipeline/consumers/batch.py``), and only ``loss_mask`` columns are response tokens to train on; values
+    ``pipeline/consumers/rl/batch.py``), and only ``loss_mask`` columns are response tokens to train on; values
     elsewhere are padding or prompt, and may be anything. Per-sample tensors are ``[B]``. Rows whose ``sample_ids``
     entry is empty are padding rows (no loss tokens).
     """

@@ -66,7 +66,9 @@ import torch
 import torch.distributed as dist
 
 from pipeline.config.trainer import TrainStepConfig
-from pipeline.consumers.batch import (
+from pipeline.consumers.megatron.config import ModelConfig
+from pipeline.consumers.megatron.expert_bias import update_expert_bias
+from pipeline.consumers.rl.batch import (
     RoutingShape,
     TrainBatch,
     collate,
@@ -74,12 +76,10 @@ from pipeline.consumers.batch import (
     split_micro_batches,
     split_rows,
 )
-from pipeline.consumers.megatron.config import ModelConfig
-from pipeline.consumers.megatron.expert_bias import update_expert_bias
-from pipeline.consumers.optim import Updater, build_updater
-from pipeline.consumers.passes import Norms, Passes
-from pipeline.consumers.schedule import lr_at
-from pipeline.consumers.train_metrics import Accumulator, final_metrics
+from pipeline.consumers.rl.optim import Updater, build_updater
+from pipeline.consumers.rl.passes import Norms, Passes
+from pipeline.consumers.rl.schedule import lr_at
+from pipeline.consumers.trainer.metrics import Accumulator, final_metrics
 from pipeline.errors import ConfigError, SampleError
 from pipeline.queue.sample import Sample
 

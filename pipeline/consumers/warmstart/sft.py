@@ -35,19 +35,18 @@ import torch.nn.functional as F
 
 from pipeline.config.model import ModelSource
 from pipeline.config.prompts import PromptConfig
-from pipeline.config.root import root_to_sections
 from pipeline.config.run import RunConfig
 from pipeline.config.warmstart import WarmStartConfig
-from pipeline.consumers.schedule import lr_at, set_lr
-from pipeline.consumers.sft_config import (
+from pipeline.consumers.rl.schedule import lr_at, set_lr
+from pipeline.consumers.warmstart.config import (
     DONE_FILE,
     format_summary,
     warmstart_dir,
     warmstart_metrics_path,
     warmstart_model_dir,
 )
+from pipeline.data.prompts import Prompt, PromptSource, load_jsonl, setup_heldout, setup_prompts
 from pipeline.errors import ConfigError, SluiceError
-from pipeline.producers.prompts import Prompt, PromptSource, load_jsonl, setup_heldout, setup_prompts
 
 log = logging.getLogger(__name__)
 
@@ -443,8 +442,6 @@ def _write_done(out: Path, summary: dict[str, Any]) -> None:
     os.replace(tmp, out / DONE_FILE)
 
 
-# The root is still handed over by pipeline/cli/train.py and pipeline/launch/processes.py.
-@root_to_sections(warmstart="warmstart", prompts="prompts", run="run", model="model")
 def run_warmstart(run_dir: Path, base_model: Path, *, warmstart: WarmStartConfig, prompts: PromptConfig,
                   run: RunConfig, model: ModelSource) -> dict[str, Any]:
     """Supervised training of ``base_model`` into ``run_dir``: checkpoint, HF model, metrics, then the done marker.
@@ -459,7 +456,7 @@ def run_warmstart(run_dir: Path, base_model: Path, *, warmstart: WarmStartConfig
 
     from pipeline.consumers.megatron.checkpoint import save_checkpoint
     from pipeline.consumers.megatron.model import shutdown_parallel
-    from pipeline.consumers.train_main import export_hf_model
+    from pipeline.consumers.trainer.main import export_hf_model
 
     ws = warmstart
     start = time.perf_counter()

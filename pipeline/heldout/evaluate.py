@@ -3,8 +3,8 @@ pass@k per policy version.
 
 What is measured
 ----------------
-For every snapshot it evaluates (``RUN_DIR/snapshots/v{version:08d}``, see ``pipeline.consumers.snapshots``), each
-held-out prompt gets one greedy response (temperature 0) and ``samples`` sampled ones (the producer's temperature,
+For every snapshot it evaluates (``RUN_DIR/snapshots/v{version:08d}``, see ``pipeline.consumers.trainer.snapshots``),
+each held-out prompt gets one greedy response (temperature 0) and ``samples`` sampled ones (the producer's temperature,
 top-p/top-k and ``max_new_tokens`` unless ``[eval.heldout]`` says otherwise). Responses are scored by the run's
 reward function; a response passes by the stream evaluator's rule (``reward_info["pass"]``, else reward above
 ``eval.pass_threshold``). Per version: greedy pass@1, sampled pass@1 (the mean over all samples), pass@k for each
@@ -57,18 +57,18 @@ from pipeline.config.metrics import MetricsConfig
 from pipeline.config.model import ModelSource
 from pipeline.config.producer import BUILTIN_ROLLOUT, ProducerConfig
 from pipeline.config.prompts import PromptConfig
-from pipeline.config.root import root_to_sections
 from pipeline.config.run import PluginsConfig, RunConfig
 from pipeline.config.trainer import TrainStepConfig
 from pipeline.consumers.evaluator import default_metrics_path, reward_passed
-from pipeline.consumers.snapshots import SNAPSHOTS_DIR, is_done, list_snapshots, mark_done, snapshot_name
+from pipeline.consumers.export import CheckpointExporter, run_checkpoints
+from pipeline.consumers.trainer.snapshots import SNAPSHOTS_DIR, is_done, list_snapshots, mark_done, snapshot_name
 from pipeline.errors import ConfigError, EngineError
 from pipeline.metrics import ScalarSink, open_sinks
 from pipeline.models.spec import engine_patch_args
 
 if TYPE_CHECKING:
+    from pipeline.data.prompts import Prompt
     from pipeline.producers.base import GenerateResult
-    from pipeline.producers.prompts import Prompt
     from pipeline.producers.rewards import RewardFn, RewardScorer
     from pipeline.producers.rollout import RolloutContext, RolloutFn, TextCodec, Trajectory
     from pipeline.sync.base import EngineReply
@@ -400,57 +400,6 @@ class HeldoutEvaluator:
 
 
 # ------------------------------------------------------------------------------------------ engine and wiring
-def run_checkpoints(run_dir: str | Path) -> list[Path]:
-    """The run's complete Megatron checkpoints (``checkpoints/step-N``), oldest first."""
-    root = Path(run_dir) / "checkpoints"
-    return sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
-
-
-class CheckpointExporter:
-    """Turns a run's Megatron checkpoints into HF folders, in this process (world size 1, any saved layout).
-
-    The model is built once, with the trainer's architecture and router-replay setting, and each checkpoint's
-    weights are loaded into it (resharded from the trainer's TP/EP layout by megatron's dist-checkpointing).
-    """
-
-    @root_to_sections(run="run", model="model", trainer="trainer")  # the export's call: pipeline/export.py
-    def __init__(self, model_dir: Path, *, run: RunConfig, model: ModelSource, trainer: TrainStepConfig) -> None:
-        self.model_dir = model_dir
-        self.seed, self.r3, self.spec = run.seed, trainer.r3, model.spec
-        self._model: Any = None
-        self._model_cfg: Any = None
-
-    def export(self, checkpoint: Path, out: Path) -> None:
-        from pipeline.consumers.megatron.checkpoint import load_checkpoint
-        from pipeline.consumers.train_main import export_hf_model
-
-        if self._model is None:
-            self._build()
-        load_checkpoint(checkpoint, self._model, None)
-        export_hf_model(self._model, self._model_cfg, self.model_dir, out)
-
-    def _build(self) -> None:
-        import torch
-
-        from pipeline.consumers.megatron.config import ModelConfig, ParallelConfig
-        from pipeline.consumers.megatron.model import build_gpt_model, init_parallel
-
-        torch.set_num_threads(1)
-        hf_config = json.loads((self.model_dir / "config.json").read_text())
-        self._model_cfg = ModelConfig.from_hf(hf_config)
-        init_parallel(ParallelConfig(), seed=self.seed)
-        # The trainer's model.spec too: its checkpoints hold the user modules' weights, and the export must carry them.
-        self._model = build_gpt_model(self._model_cfg, ParallelConfig(), r3=self.r3, spec=self.spec,
-                                      hf_config=hf_config)
-
-    def close(self) -> None:
-        if self._model is not None:
-            from pipeline.consumers.megatron.model import shutdown_parallel
-
-            shutdown_parallel()
-            self._model = None
-
-
 @dataclass
 class PrivateEngine:
     """A CPU engine process of the evaluator's own, stopped by its PID."""
@@ -536,8 +485,8 @@ async def open_heldout(run_dir: str | Path, *, evaluation: EvalConfig, producer:
                        model: ModelSource, engine: EngineConfig, run: RunConfig, plugins: PluginsConfig,
                        metrics: MetricsConfig) -> AsyncIterator[HeldoutEvaluator]:
     """A held-out evaluator of the run, with its engine (a private CPU engine unless ``eval.heldout.engine_url``)."""
+    from pipeline.data.prompts import setup_heldout
     from pipeline.producers.producer import load_codec, load_tokenize, resolve_rollout
-    from pipeline.producers.prompts import setup_heldout
     from pipeline.producers.rewards import resolve_reward, setup_scorer
     from pipeline.producers.sglang_client import SGLangClient
 
@@ -582,8 +531,6 @@ def lower_priority(nice: int) -> None:
         os.nice(nice)
 
 
-@root_to_sections(evaluation="eval", producer="producer", prompts="prompts", model="model", engine="engine",
-                  run="run", plugins="plugins", metrics="metrics", trainer="trainer")  # pipeline/cli/evaluate.py's call
 def evaluate_run(run_dir: str | Path, *, evaluation: EvalConfig, producer: ProducerConfig, prompts: PromptConfig,
                  model: ModelSource, engine: EngineConfig, run: RunConfig, plugins: PluginsConfig,
                  metrics: MetricsConfig, trainer: TrainStepConfig, checkpoints: bool = False) -> list[dict[str, Any]]:
@@ -613,8 +560,6 @@ def evaluate_run(run_dir: str | Path, *, evaluation: EvalConfig, producer: Produ
     return asyncio.run(main())
 
 
-@root_to_sections(evaluation="eval", producer="producer", prompts="prompts", model="model", engine="engine",
-                  run="run", plugins="plugins", metrics="metrics")  # pipeline/launch/processes.py's call
 def serve_evaluators(run_dir: str | Path, stop: threading.Event, *, evaluation: EvalConfig, producer: ProducerConfig,
                      prompts: PromptConfig, model: ModelSource, engine: EngineConfig, run: RunConfig,
                      plugins: PluginsConfig, metrics: MetricsConfig) -> None:

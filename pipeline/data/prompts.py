@@ -1,8 +1,8 @@
 """Prompt sources: local JSONL or Parquet files, and built-in synthetic tasks for the CPU recipe.
 
-A source is a finite, indexable list of prompts; producers walk it through a cursor held in Redis (see
-``PromptCursor``), so any number of producers share one pass over the data and a restarted producer continues where
-the run left off. Epochs wrap around.
+A source is a finite, indexable list of prompts, with its held-out split. Producers, the warm start and the held-out
+evaluator all read it, so it lives below them (the standard library, and pyarrow only where a Parquet file is read).
+Producers walk it through a cursor held in Redis (``pipeline.producers.cursor``).
 """
 
 from __future__ import annotations
@@ -12,16 +12,10 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from pipeline.config.prompts import SYNTHETIC_TASK_SPACES, PromptConfig
 from pipeline.errors import ConfigError
-
-if TYPE_CHECKING:
-    import redis
-
-# Nothing heavy at the top (Redis, the queue, Arrow): reward and rollout plug-ins import ``Prompt`` from here, and a
-# recipe imports them when it loads. ``PromptCursor`` imports the queue's key helpers where it uses them.
 
 
 @dataclass(frozen=True)
@@ -225,54 +219,3 @@ def setup_heldout(cfg: PromptConfig) -> ListPrompts:
     if held is None:
         raise ConfigError("no held-out split: set prompts.heldout (a count) or prompts.heldout_path")
     return held
-
-
-class PromptCursor:
-    """The run's shared position in the prompt source, in Redis: producers hold no state of their own.
-
-    ``next()`` first takes prompts handed back for another try (a failed generation, a lost producer's groups, or the
-    trainer requeueing a stale group), then advances the cursor with INCR, so two producers never take the same
-    index. A handed-back prompt is a slot item ``"index:requeues"`` (``pipeline.queue.keys.slot_item``): the count of
-    trainer requeues travels with the prompt, so ``staleness.max_requeues`` holds across producers.
-    The producer itself takes prompts inside its admission script (atomic with pacing); this class is the same
-    protocol from Python, for tools and tests.
-    """
-
-    def __init__(self, client: redis.Redis, run: str) -> None:
-        from pipeline.queue.keys import RunKeys
-
-        keys = RunKeys(run)
-        self.redis = client
-        self.cursor_key = keys.prompt_cursor
-        self.retry_key = keys.prompt_retry
-
-    def next(self) -> tuple[int, bool]:
-        """(prompt index, whether it is a retry)."""
-        index, _, is_retry = self.take()
-        return index, is_retry
-
-    def take(self) -> tuple[int, int, bool]:
-        """(prompt index, times the trainer requeued it, whether it is a retry)."""
-        from pipeline.queue.keys import parse_slot_item
-
-        retry = self.redis.lpop(self.retry_key)
-        if retry is not None:
-            index, requeues = parse_slot_item(retry)
-            return index, requeues, True
-        return int(self.redis.incr(self.cursor_key)) - 1, 0, False
-
-    def give_back(self, index: int, requeues: int = 0) -> None:
-        """Hand a prompt index back so the next producer tries it again."""
-        from pipeline.queue.keys import slot_item
-
-        self.redis.rpush(self.retry_key, slot_item(index, requeues))
-
-    def position(self) -> int:
-        """How many new prompt indices were handed out so far."""
-        return int(self.redis.get(self.cursor_key) or 0)
-
-    def retries(self) -> list[tuple[int, int]]:
-        """The handed-back prompts waiting, in the order they will be taken: (index, requeues)."""
-        from pipeline.queue.keys import parse_slot_item
-
-        return [parse_slot_item(x) for x in self.redis.lrange(self.retry_key, 0, -1)]

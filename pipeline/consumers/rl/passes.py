@@ -14,9 +14,6 @@ from typing import Any
 import torch
 
 from pipeline.config.trainer import LossConfig, TrainStepConfig
-from pipeline.consumers.batch import TrainBatch
-from pipeline.consumers.loss import aggregate, kl_penalty, policy_loss
-from pipeline.consumers.loss_plugins import LossInputs, LossPlugins, local_units
 from pipeline.consumers.megatron.config import ModelConfig
 from pipeline.consumers.megatron.model import forward_logits, model_device
 from pipeline.consumers.megatron.router_replay import RouterReplay, topk_match
@@ -27,7 +24,10 @@ from pipeline.consumers.megatron.scoring import (
     replay_registry,
     score_tokens,
 )
-from pipeline.consumers.train_metrics import Accumulator
+from pipeline.consumers.rl.batch import TrainBatch
+from pipeline.consumers.rl.loss import aggregate, kl_penalty, policy_loss
+from pipeline.consumers.rl.loss_plugins import LossInputs, LossPlugins, local_units
+from pipeline.consumers.trainer.metrics import Accumulator
 from pipeline.errors import ConfigError
 
 log = logging.getLogger(__name__)

@@ -8,8 +8,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.consumers.checkpoints import latest_checkpoint
-from pipeline.consumers.ledger import read_ledger
+from pipeline.consumers.trainer.checkpoints import latest_checkpoint
+from pipeline.consumers.trainer.ledger import read_ledger
 from pipeline.errors import SampleDecodeError
 from pipeline.queue.archive import parse_id
 from pipeline.queue.redis_streams import SampleQueue
@@ -24,7 +24,7 @@ class TrainerAudit:
     trained: int
     stale: int
     invalid: int
-    filtered: int  # removed by a group filter (pipeline.consumers.filters)
+    filtered: int  # removed by a group filter (pipeline.consumers.trainer.filters)
     pending: int  # delivered to the trainer, not yet committed
     undelivered: int
     duplicates: int
