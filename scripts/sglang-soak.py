@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))  # the shared server and run helpers (tests/sglang_server.py)
+sys.path.insert(0, str(REPO))  # the shared server and run helpers (tests/helpers/sglang_server.py)
 
-import sglang_server as sg  # noqa: E402
+from tests.helpers import sglang_server as sg  # noqa: E402
 
 # Trainer metrics reported per step: log-prob mismatch and routing agreement, whatever of them the trainer logs.
 PER_STEP = ("mismatch", "agree")

@@ -1,4 +1,4 @@
-"""Shared fixtures. Servers are real: a redis-server started on a free port in a temporary folder (AOF on) and
+"""Shared fixtures (helpers that tests import live in ``tests/helpers/``). Servers are real: a redis-server started on a free port in a temporary folder (AOF on) and
 stopped by its PID, unless ``--redis-url`` points the tests at an existing one (which they then never stop)."""
 
 from __future__ import annotations
@@ -9,14 +9,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import redis
 
 from pipeline.queue.connection import connect
 from pipeline.queue.redis_server import EmbeddedRedis
 from pipeline.queue.redis_streams import SampleQueue
-from pipeline.queue.sample import Sample, compact_routing
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -94,49 +92,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """A CPU engine process serving ``model_dir``, started and stopped by this module."""
-    from engines import start_engine
+    from tests.helpers.engines import start_engine
 
     started = start_engine(model_dir, tmp_path_factory.mktemp("engine-logs"))
     yield started
     started.stop()
-
-
-def make_sample(
-    rng: np.random.Generator,
-    *,
-    prompt_len: int = 5,
-    response_len: int = 7,
-    version: int | tuple[int, int] = 0,
-    layers: int = 2,
-    topk: int = 2,
-    num_experts: int | None = 8,
-    group_id: str = "g",
-    index: int = 0,
-    reward: float = 1.0,
-) -> Sample:
-    lo, hi = (version, version) if isinstance(version, int) else version
-    versions = np.sort(rng.integers(lo, hi + 1, response_len)).astype(np.int32)
-    routed = None
-    if num_experts:
-        routed = compact_routing(
-            rng.integers(0, num_experts, (prompt_len + response_len - 1, layers, topk)), num_experts
-        )
-    return Sample(
-        prompt_ids=rng.integers(0, 1000, prompt_len),
-        response_ids=rng.integers(0, 1000, response_len),
-        rollout_logprobs=-rng.random(response_len).astype(np.float32),
-        token_versions=versions,
-        routed_experts=routed,
-        reward=reward,
-        reward_info={"pass": bool(reward > 0)},
-        group_id=group_id,
-        prompt_id=group_id,
-        index=index,
-        producer="test",
-        engine="none",
-    )
-
-
-def make_group(rng: np.random.Generator, n: int = 4, **kw: object) -> list[Sample]:
-    gid = uuid.uuid4().hex[:8]
-    return [make_sample(rng, group_id=gid, index=i, **kw) for i in range(n)]  # type: ignore[arg-type]

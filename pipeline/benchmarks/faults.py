@@ -115,11 +115,12 @@ def overrides(p: FaultsBenchParams, seed: int, kind: str) -> list[str]:
     sets = [f"run.seed={seed}", f"trainer.checkpoint_every={p.checkpoint_every}", "trainer.batch_groups=4",
             "producer.concurrency=2", "warmstart.enabled=false", "eval.heldout.enabled=false", "eval.enabled=true",
             "filters.zero_variance=false", "queue.archive.enabled=true", "queue.archive.flush_interval_s=2"]
-    if kind == "ray-node":  # the trainer alone on the worker node; the rest on the head (tests/test_run_cluster.py)
+    # the trainer alone on the worker node; the rest on the head (tests/launch/test_run_cluster.py)
+    if kind == "ray-node":
         sets += ["ray.engine.resources={rollout=1}", "ray.producer.resources={rollout=1}",
                  "ray.archiver.resources={rollout=1}", "ray.evaluator.resources={rollout=1}",
                  "ray.trainer.resources={train=1}"]
-    if kind in ("trainer-rank", "trainer-rank0"):  # two ranks, half the experts each (as tests/test_run_e2e.py)
+    if kind in ("trainer-rank", "trainer-rank0"):  # two ranks, half the experts each (as tests/e2e/test_run_e2e.py)
         sets += ["trainer.world_size=2", "trainer.ep=2"]
     return sets
 

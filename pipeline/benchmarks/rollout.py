@@ -30,10 +30,11 @@ from typing import Any
 from pipeline.config.producer import ProducerConfig, SamplingConfig
 from pipeline.data.prompts import synthetic
 from pipeline.errors import EngineError
+from pipeline.net import free_port
 from pipeline.producers.producer import Producer, load_tokenize, read_num_experts
 from pipeline.producers.rewards import exact_match
 from pipeline.producers.sglang_client import NO_RETRY, SGLangClient
-from pipeline.queue.redis_server import EmbeddedRedis, free_port
+from pipeline.queue.redis_server import EmbeddedRedis
 from pipeline.queue.redis_streams import SampleQueue
 
 

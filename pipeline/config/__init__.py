@@ -1,8 +1,8 @@
 """The recipe schema: one pydantic model per section, nested under ``SluiceConfig``, loaded from TOML.
 
-A leaf: it imports pydantic, the standard library and sluice's own leaves (``errors``, ``plugins``, ``urls``) only, so
+A leaf: it imports pydantic, the standard library and sluice's own leaves (``errors``, ``plugins``, ``net``) only, so
 loading and validating a recipe (``sluice run --dry-run``, every process's start) imports no torch, megatron, Redis
-client, HTTP stack or Arrow (tests/test_config_leaf.py). What a check needs from the heavy modules (the synthetic
+client, HTTP stack or Arrow (tests/config/test_config_leaf.py). What a check needs from the heavy modules (the synthetic
 tasks' sizes, the built-in rewards' names, the plug-in signatures) is kept here, and the heavy modules take it from
 here.
 

@@ -2,7 +2,7 @@
 group judge or a reward service), with the plug-in calls those fields name.
 
 The built-in rewards and rollout are named here, not imported: ``pipeline.producers.rewards`` and ``rollout`` hold
-them (tests/test_config_leaf.py checks that the two agree).
+them (tests/config/test_config_leaf.py checks that the two agree).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pipeline.net import has_secret
 from pipeline.plugins import Signature
-from pipeline.urls import has_secret
 
 #: The names ``producer.reward`` may take besides an import path (``pipeline.producers.rewards.BUILTIN_REWARDS``).
 BUILTIN_REWARD_NAMES = frozenset({"exact_match", "integer_match", "prefix_match"})

@@ -42,8 +42,8 @@ from pipeline.config.sync import SyncConfig
 from pipeline.config.trainer import TrainerConfig
 from pipeline.config.warmstart import WarmStartConfig
 from pipeline.errors import ConfigError
+from pipeline.net import public_url
 from pipeline.plugins import Signature
-from pipeline.urls import public_url
 
 log = logging.getLogger(__name__)
 

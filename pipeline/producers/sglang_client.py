@@ -907,7 +907,7 @@ class EnginePool:
 
 
 def adopt_engine_urls(urls: Sequence[str], *, version: int, fresh: bool, model_path: str | None) -> list[Adoption]:
-    """``pipeline.sync.lifecycle.adopt_engines`` over the engines at ``urls`` (the launcher runs it before any
+    """``pipeline.sync.lifecycle.adopt_engines`` over the engines at ``net`` (the launcher runs it before any
     producer starts); logs what it did to each."""
 
     async def adopt() -> list[Adoption]:

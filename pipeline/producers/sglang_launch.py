@@ -21,17 +21,10 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import sys
 from pathlib import Path
 
-
-def pick_port(host: str) -> int:
-    """A port free on ``host`` right now (the OS's choice)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+from pipeline.net import free_port
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -50,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     if python is None:
         sys.exit(f"sglang_launch: engine.python = {args.python!r} is neither an executable file nor a command on "
                  "this node's PATH; name the python of the environment SGLang is installed in")
-    port = args.port or pick_port(args.host)
+    port = args.port or free_port(args.host)
     partial = Path(args.port_file).with_suffix(".tmp")
     partial.write_text(str(port))
     partial.rename(args.port_file)

@@ -10,9 +10,9 @@ from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
 from pipeline.errors import QueueError
-from pipeline.urls import has_secret as has_secret  # the rules live in a leaf the recipe schema shares
-from pipeline.urls import is_redacted as is_redacted
-from pipeline.urls import redact_url
+from pipeline.net import has_secret as has_secret  # the rules live in a leaf the recipe schema shares
+from pipeline.net import is_redacted as is_redacted
+from pipeline.net import redact_url
 
 #: Transient failures (a restart, a failover, a dropped socket, a server loading its AOF) are retried with backoff;
 #: anything else propagates. Twelve tries wait about 15 s in all: long enough for `sluice run` to restart a dead

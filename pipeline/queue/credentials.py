@@ -16,8 +16,8 @@ import stat
 from pathlib import Path
 
 from pipeline.errors import ConfigError
+from pipeline.net import public_url as public_url
 from pipeline.queue.connection import is_redacted
-from pipeline.urls import public_url as public_url
 
 SECRET_FILE = ".redis-url"
 ENV_URL = "SLUICE_REDIS_URL"
@@ -87,7 +87,7 @@ def resolve_url(run_dir: Path | None, url: str | None, given: str | None = None)
 
 #: The commands sluice's processes and `sluice queue`/`sluice eval` send, found by running a whole `sluice run`
 #: (evaluator, archiver, a trainer restart) against a server that counted them (`INFO commandstats`), then checked
-#: by running with exactly these (tests/test_security.py). Commands a Lua script calls are checked against the
+#: by running with exactly these (tests/queue/test_security.py). Commands a Lua script calls are checked against the
 #: calling user's ACL too, and the lag script would swallow a refused XINFO in its pcall, so it is listed.
 #: SELECT is needed only with a database other than 0 in the URL.
 ACL_COMMANDS: tuple[str, ...] = (

@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ import psutil
 import redis
 
 from pipeline.errors import RedisUnavailableError
+from pipeline.net import free_port
 
 STATE_FILE = "redis.json"
 AppendFsync = Literal["always", "everysec", "no"]
@@ -45,12 +45,6 @@ def find_redis_server() -> str:
         "server from your OS packages (e.g. `apt-get install redis-server`), or point sluice at a running server "
         "with a redis:// URL"
     )
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -16,13 +15,7 @@ from pipeline.consumers.megatron.config import ModelConfig, ParallelConfig, chec
 from pipeline.consumers.megatron.cpu_shim import apply_cpu_shim, seed_cpu_rng
 from pipeline.consumers.megatron.fixes import fix_expert_bias_padding_mask
 from pipeline.errors import ConfigError
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
+from pipeline.net import free_port
 
 _WORLD_STORE: dist.TCPStore | None = None
 
@@ -51,7 +44,7 @@ def _init_process_group(device: str) -> None:
         return
     # A bare single process gets a private world of one, without writing RANK/MASTER_PORT into the environment:
     # child processes would inherit them and try to join (or bind) this world's store.
-    dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
 
 
 def init_parallel(parallel: ParallelConfig, *, seed: int = 1234) -> None:
