@@ -449,7 +449,7 @@ def _start_children(cfg: SluiceConfig, sup: Supervisor, handle: RunHandle, model
         others.append(_spec(cfg, "archiver", "archiver", ["archiver", str(run_dir)]))
     others_up = sup.launch(others) if others else None  # they need Redis only
     urls = engines_up()
-    # Weight push (issue 9): engines sluice did not start may hold another run's weights or SGLang's "default" label;
+    # Engines sluice did not start may hold another run's weights or SGLang's "default" label;
     # settle that before any producer samples from them, or the trainer pushes to them (pipeline.sync.lifecycle).
     from pipeline.producers.sglang_client import adopt_engine_urls
 

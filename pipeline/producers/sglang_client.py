@@ -3,7 +3,7 @@
 ``SGLangClient`` talks to one engine; ``EnginePool`` spreads generations over several, least-loaded first, and routes
 around engines that stop answering. Retries go through an explicit ``Retry`` object, never an implicit loop.
 
-Field names and formats follow SGLang's ``http_server.py``/``io_struct.py`` (see the project's FACTS.md):
+Field names and formats follow SGLang 0.5.23's ``http_server.py``/``io_struct.py`` (docs/sglang.md):
 ``output_token_logprobs`` is a list of ``[logprob, token_id, text]``, ``weight_versions`` spans have an exclusive
 ``end``, and ``routed_experts`` is base64 of little-endian int32 shaped ``[P + R - 1 - start_len, layers, topk]``.
 """

@@ -13,28 +13,28 @@ SURFACE = {
                          "--num-experts", "--out", "--prompt-tokens", "--redis-url", "--response-tokens", "--rounds",
                          "--routing", "--samples", "--topk"]),
     "bench faults": ([], ["--baseline", "--checkpoint-every", "--json", "--kinds", "--no-baseline", "--out", "--recipe",
-                          "--resumes", "--seed", "--steps", "--timeout-s", "--trials"]),  # issue 11 asks for it
-    # Issue 11's 20 trials per kind take several sessions: their invocations are folded into one record.
+                          "--resumes", "--seed", "--steps", "--timeout-s", "--trials"]),
+    # Trials that take several sessions are folded into one record.
     "bench faults-merge": (["runs"], ["--into"]),
     "bench pipeline": ([], ["--json", "--max-lag", "--out", "--recipe", "--skip-steps", "--steps"]),
     "bench rollout": ([], ["--capture-reference", "--concurrency", "--group-size", "--groups", "--json", "--layers",
                            "--max-new-tokens", "--no-capture-reference", "--num-experts", "--rounds", "--temperature",
                            "--topk"]),
     "bench sync": ([], ["--big", "--bucket-mb", "--engine-dtype", "--json", "--min-seconds", "--no-big", "--out",
-                        "--rounds", "--sizes-mb"]),  # issue 9 asks for it
+                        "--rounds", "--sizes-mb"]),
     "engine serve": (["model_dir", "engine_args"], []),
     "eval": ([], ["--checkpoints", "--group", "--heldout", "--json", "--redis", "--reset", "--run", "--run-dir", "--start",
                   "--until-idle"]),
-    "export": ([], ["--json", "--run-dir", "--step", "--to"]),  # issue 12: HF export of a run's checkpoint
+    "export": ([], ["--json", "--run-dir", "--step", "--to"]),  # HF export of a run's checkpoint
     "model init-tiny": ([], ["--arch", "--out", "--seed", "--set"]),
-    "plot": ([], ["--json", "--run-dir"]),  # issue 12: PNG plots of any run
-    "status": ([], ["--json", "--redis", "--run-dir", "--watch"]),  # issue 12: the live view of any run
+    "plot": ([], ["--json", "--run-dir"]),  # PNG plots of any run
+    "status": ([], ["--json", "--redis", "--run-dir", "--watch"]),  # the live view of any run
     "queue audit": ([], ["--json", "--redis", "--run", "--run-dir", "--samples"]),
     "queue export": ([], ["--json", "--range", "--redis", "--run", "--run-dir", "--to"]),
     "queue stats": ([], ["--json", "--redis", "--run", "--run-dir"]),
     "queue tail": ([], ["--count", "--follow", "--json", "--redis", "--run", "--run-dir"]),
     "replay": (["recipe"], ["--from", "--range", "--run-dir", "--set", "--steps"]),
-    "run": (["recipe"], ["--dry-run", "--ray-address", "--run-dir", "--set", "--steps"]),  # issue 8 asks for it
+    "run": (["recipe"], ["--dry-run", "--ray-address", "--run-dir", "--set", "--steps"]),
     "sft": (["recipe"], ["--run-dir", "--set"]),
 }
 

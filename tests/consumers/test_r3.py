@@ -152,7 +152,7 @@ def test_unperturbed_copy_reproduces_the_rollout(rollout: dict) -> None:
 
 
 def test_replay_removes_a_bf16_engine_vs_fp32_trainer_routing_gap(rollout: dict) -> None:
-    # Same weights, no staleness: the rollout engine runs in bf16, the trainer in fp32 (the gap FACTS.md measures).
+    # Same weights, no staleness: the rollout engine runs in bf16, the trainer in fp32 (a gap of its own, measured here).
     model_cfg = rollout["cfg"]
     hf = transformers.AutoModelForCausalLM.from_pretrained(rollout["folder"], dtype=torch.bfloat16).eval()
     gen = torch.Generator().manual_seed(1)

@@ -54,7 +54,7 @@ def test_the_policy_decides_by_distance() -> None:
     restored = GroupVersions("a", (0, 0), (0, 1))
     abandoned = GroupVersions("b", (40,), (41,))
     assert decide_group(restored, 43, cfg, line).action == "train"  # lag 1 along the lineage
-    assert decide_group(restored, 43, cfg).action == "drop"  # lag 43 by the counter: what issue 11 measured
+    assert decide_group(restored, 43, cfg).action == "drop"  # lag 43 by the counter: a drop after every restore
     assert decide_group(abandoned, 43, cfg, line).lag == 42
     assert group_lag(abandoned, 43, "version_max", line) == 42
 

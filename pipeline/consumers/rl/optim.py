@@ -3,8 +3,9 @@
 Two implementations of one small surface (:class:`Updater`), chosen by device:
 
 - :class:`LocalUpdater` (CPU, and CUDA when asked): a torch optimizer plus an explicit gradient all-reduce over the
-  data-parallel groups. megatron's distributed optimizer gives wrong results on CPU (FACTS.md), so this is the CPU
-  path. When the model's parameters are bf16/fp16, the optimizer works on **fp32 master copies**
+  data-parallel groups. megatron's distributed optimizer gives wrong results on CPU (measured against a single-rank
+  reference when this was written), so this is the CPU path. When the model's parameters are bf16/fp16, the
+  optimizer works on **fp32 master copies**
   (:class:`MasterWeightOptimizer`): gradients are upcast into the masters, Adam's moments are fp32, and the update is
   rounded into the low-precision parameters only after it has been applied in fp32. Without masters an update
   smaller than half a bf16 ulp of its weight (lr 1e-6 on a weight of 0.02, say) rounds away to nothing, every step.

@@ -1,7 +1,7 @@
 """Qwen3 and Qwen3-MoE: grouped-query attention with per-head q/k norms, softmax routing over all experts.
 
-The traps of the mapping (FACTS.md): megatron's ``linear_qkv`` is grouped by kv head, and the router's
-``norm_topk_prob`` decides megatron's ``moe_router_pre_softmax``.
+The traps of the mapping (each caught by a conversion test): megatron's ``linear_qkv`` is grouped by kv head, and
+the router's ``norm_topk_prob`` decides megatron's ``moe_router_pre_softmax``.
 """
 
 from __future__ import annotations
