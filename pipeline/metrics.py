@@ -22,10 +22,10 @@ from typing import Any, Protocol
 
 from pipeline.config.metrics import MetricsConfig
 from pipeline.errors import ConfigError
+from pipeline.rundir import tensorboard_dir, wandb_dir
 
 log = logging.getLogger(__name__)
 
-TENSORBOARD_DIR = "tensorboard"
 # Bookkeeping that is no curve: the step (an evaluator's version) is the x axis, the time every event's wall time.
 _SKIP = frozenset({"step", "time", "version"})
 
@@ -86,7 +86,7 @@ class WandbSink:
     def __init__(self, run_dir: Path, run_name: str, process: str, cfg: MetricsConfig) -> None:
         import wandb
 
-        folder = run_dir / "wandb"
+        folder = wandb_dir(run_dir)
         folder.mkdir(parents=True, exist_ok=True)
         self._run = wandb.init(project=cfg.wandb_project, group=run_name, name=f"{run_name}/{process}",
                                dir=str(folder), mode=cfg.wandb_mode)
@@ -128,7 +128,7 @@ def open_sinks(run_dir: Path, process: str, cfg: MetricsConfig, run_name: str = 
     check_metrics_config(cfg)
     sinks: list[ScalarSink] = []
     if cfg.tensorboard:
-        sinks.append(TensorBoardSink(Path(run_dir) / TENSORBOARD_DIR / process))
+        sinks.append(TensorBoardSink(tensorboard_dir(run_dir, process)))
     if cfg.wandb:
         sinks.append(WandbSink(Path(run_dir), run_name, process, cfg))
     return Sinks(sinks)

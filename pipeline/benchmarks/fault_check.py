@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 import redis
 
 from pipeline.queue.redis_streams import GONE_REASON
+from pipeline.rundir import archive_dir, ledger_dir, run_checkpoints
 
 TAP_GROUP = "faults-tap"
 TAP_CONSUMER = "harness"
@@ -309,7 +310,7 @@ def _xrange(client: redis.Redis, key: str) -> list[tuple[str, dict[str, str]]]:
 
 
 def newest_checkpoint(run_dir: Path) -> tuple[int, int] | None:
-    done = sorted(p for p in (run_dir / "checkpoints").glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
+    done = run_checkpoints(run_dir)
     if not done:
         return None
     meta = json.loads((done[-1] / "sluice_meta.json").read_text())
@@ -318,7 +319,7 @@ def newest_checkpoint(run_dir: Path) -> tuple[int, int] | None:
 
 def committed_ledger(run_dir: Path, upto_step: int) -> list[dict[str, Any]]:
     lines: list[dict[str, Any]] = []
-    for path in sorted((run_dir / "ledger").glob("seg-*.parquet")):
+    for path in sorted(ledger_dir(run_dir).glob("seg-*.parquet")):
         if int(path.stem.split("-")[1]) <= upto_step:
             lines += pq.read_table(path).to_pylist()
     return lines
@@ -326,7 +327,7 @@ def committed_ledger(run_dir: Path, upto_step: int) -> list[dict[str, Any]]:
 
 def archived_rows(run_dir: Path) -> list[tuple[str, str]]:
     rows: list[tuple[str, str]] = []
-    for path in sorted((run_dir / "archive").glob("seg-*.parquet")):
+    for path in sorted(archive_dir(run_dir).glob("seg-*.parquet")):
         t = pq.read_table(path, columns=["stream_id", "sample_id"])
         rows += list(zip(t["stream_id"].to_pylist(), t["sample_id"].to_pylist()))
     return rows

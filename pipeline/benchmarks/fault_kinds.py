@@ -39,6 +39,8 @@ from typing import Any
 import psutil
 import redis
 
+from pipeline.rundir import TMP_SUFFIX, checkpoint_path, placements_path, redis_dir, trainer_metrics_path
+
 KINDS = ("producer", "engine", "trainer-step", "trainer-checkpoint", "trainer-push", "archiver", "evaluator", "redis",
          "ray-node", "trainer-rank", "trainer-rank0", "trainer-engine")
 
@@ -83,7 +85,7 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float, poll_s: float = 0.
 
 
 def rows(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics" / "trainer.jsonl"
+    path = trainer_metrics_path(run_dir)
     out = []
     if path.exists():
         for line in path.read_text().splitlines():
@@ -182,13 +184,14 @@ def kill_in_checkpoint(t: Target) -> Injection:
     commits = [s for s in range(t.checkpoint_every, t.steps, t.checkpoint_every)]
     step = t.rng.choice(commits[:-1] or commits)
     delay = t.rng.uniform(0.0, 0.1)  # a save after the first takes 0.2-1 s here: 0.3 s missed one in six
-    staging = t.run_dir / "checkpoints" / f"step-{step:08d}.tmp"
+    final = checkpoint_path(t.run_dir, step)
+    staging = final.with_name(final.name + TMP_SUFFIX)
     if not wait_for(lambda: staging.exists() or t.launcher.poll() is not None, 400, 0.01) or not staging.exists():
         return Injection(note=f"no save of step {step} seen")
     time.sleep(delay)
     inj = _kill(find_process(t.run_dir, "trainer"), len(rows(t.run_dir)), "trainer",
                 f"save of step {step} + {delay:.2f}s")
-    inj.landed = inj.landed and staging.exists() and not staging.with_name(f"step-{step:08d}").exists()
+    inj.landed = inj.landed and staging.exists() and not final.exists()
     return inj
 
 
@@ -233,7 +236,7 @@ def kill_redis(t: Target) -> Injection:
     k, delay, reached = _after_random_step(t, 1.0)
     if not reached:
         return Injection(note=f"the run ended before step {k}")
-    state = json.loads((t.run_dir / "redis" / "redis.json").read_text())
+    state = json.loads((redis_dir(t.run_dir) / "redis.json").read_text())
     p = psutil.Process(int(state["pid"]))
     if "redis" not in p.name():
         return Injection(note=f"pid {p.pid} in redis.json is {p.name()}, not a redis-server")
@@ -275,7 +278,7 @@ RESTARTED = {"producer": "producer-0", "engine": "engine-0", "trainer-step": "tr
 
 
 def restarted_at(run_dir: Path, name: str, after: float) -> float | None:
-    path = run_dir / "logs" / "placements.jsonl"
+    path = placements_path(run_dir)
     if not path.exists():
         return None
     for line in path.read_text().splitlines():

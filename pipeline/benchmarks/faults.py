@@ -49,6 +49,7 @@ from pipeline.benchmarks.fault_kinds import (
     restarted_at,
     rows,
 )
+from pipeline.rundir import redis_dir
 
 BASELINE = "none"
 
@@ -161,7 +162,7 @@ class _Cluster:
 
 def _embedded_url(run_dir: Path) -> str | None:
     try:
-        state = json.loads((run_dir / "redis" / "redis.json").read_text())
+        state = json.loads((redis_dir(run_dir) / "redis.json").read_text())
     except (OSError, ValueError):
         return None
     return None if state.get("unix_socket") else f"redis://127.0.0.1:{state['port']}/0"

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import SluiceError
+from pipeline.rundir import logs_dir, trainer_metrics_path, warmstart_model_dir
 
 
 @dataclass
@@ -52,9 +53,9 @@ class PipelineBenchParams:
 
 
 def _rows(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics" / "trainer.jsonl"
+    path = trainer_metrics_path(run_dir)
     if not path.exists():
-        raise SluiceError(f"the benchmark's run {run_dir} wrote no trainer metrics; see {run_dir / 'logs'}")
+        raise SluiceError(f"the benchmark's run {run_dir} wrote no trainer metrics; see {logs_dir(run_dir)}")
     rows: dict[int, dict[str, Any]] = {}
     for line in path.read_text().splitlines():
         d = json.loads(line)
@@ -106,7 +107,7 @@ def run_pipeline_bench(p: PipelineBenchParams) -> dict[str, Any]:
     started = _run(p.recipe, [*common, "mode=\"async\"", f"staleness.max_lag={p.max_lag}",
                               f"run.run_dir=\"{async_dir}\"", "run.name=\"bench-async\""])
     async_rows = _rows(async_dir)
-    warm = async_dir / "warmstart" / "model"
+    warm = warmstart_model_dir(async_dir)
     start_model = [f"model.path=\"{warm}\"", "warmstart.enabled=false"] if warm.is_dir() else []
     _run(p.recipe, [*common, "mode=\"sync\"", f"run.run_dir=\"{sync_dir}\"", "run.name=\"bench-sync\"",
                     *start_model])

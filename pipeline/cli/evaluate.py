@@ -25,20 +25,20 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def _eval_heldout(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from pipeline.heldout.evaluate import evaluate_run, read_heldout
-    from pipeline.launch.launcher import CONFIG_FILE, load_run_config
+    from pipeline.heldout.evaluate import evaluate_run
     from pipeline.observe.report import format_heldout
+    from pipeline.rundir import CONFIG_FILE, config_path, eval_metrics_path, load_run_config, read_heldout
 
     if not args.run_dir:
         raise SluiceError("--heldout evaluates a run folder's weight snapshots; give --run-dir DIR")
     run_dir = Path(args.run_dir)
-    if not (run_dir / CONFIG_FILE).is_file():
+    if not config_path(run_dir).is_file():
         raise SluiceError(f"{run_dir} has no {CONFIG_FILE}: not the folder of a `sluice run`")
     cfg = load_run_config(run_dir)
     new = evaluate_run(run_dir, evaluation=cfg.eval, producer=cfg.producer, prompts=cfg.prompts, model=cfg.model,
                        engine=cfg.engine, run=cfg.run, plugins=cfg.plugins, metrics=cfg.metrics, trainer=cfg.trainer,
                        checkpoints=args.checkpoints)
-    metrics = run_dir / "eval" / "metrics.jsonl"
+    metrics = eval_metrics_path(run_dir)
     show(args, {"evaluated": new, "all": list(read_heldout(metrics).values())},
            lambda _: print(f"evaluated {len(new)} new version(s) {[d['version'] for d in new]}\n"
                            + format_heldout(metrics)))

@@ -14,9 +14,10 @@ def cmd_plot(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from pipeline.observe.plots import write_plots
+    from pipeline.rundir import eval_dir, metrics_dir
 
     run_dir = Path(args.run_dir)
-    if not (run_dir / "metrics").is_dir() and not (run_dir / "eval").is_dir():
+    if not metrics_dir(run_dir).is_dir() and not eval_dir(run_dir).is_dir():
         raise SluiceError(f"{run_dir} has no metrics/ or eval/ folder: not the folder of a `sluice run` (or it has not "
                           "trained a step yet)")
     out = {name: str(path) for name, path in write_plots(run_dir).items()}
@@ -30,11 +31,11 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from pipeline.launch.launcher import CONFIG_FILE, load_run_config
     from pipeline.observe.live import collect, panel
+    from pipeline.rundir import CONFIG_FILE, config_path, load_run_config
 
     run_dir = Path(args.run_dir)
-    if not (run_dir / CONFIG_FILE).is_file():
+    if not config_path(run_dir).is_file():
         raise SluiceError(f"{run_dir} has no {CONFIG_FILE}: not the folder of a `sluice run`")
     total = load_run_config(run_dir).trainer.steps
     handle = open_run_of(args)

@@ -71,11 +71,12 @@ def cmd_queue_audit(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from pipeline.queue.inspect import audit
+    from pipeline.rundir import ledger_dir
 
     handle = open_run_of(args)
     try:
         rep = asdict(audit(handle.queue, with_samples=args.samples))
-        if handle.run_dir is not None and (handle.run_dir / "ledger").is_dir():
+        if handle.run_dir is not None and ledger_dir(handle.run_dir).is_dir():
             from pipeline.consumers.trainer.audit import audit_trainer
 
             rep["trainer_ledger"] = asdict(audit_trainer(handle.queue, handle.run_dir))

@@ -33,7 +33,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     cfg = load_recipe(args)
     from pipeline.consumers.trainer.main import run_replay
     from pipeline.consumers.trainer.replay import parse_range
-    from pipeline.launch.launcher import model_folder
+    from pipeline.rundir import model_folder, trainer_metrics_path
 
     id_range = parse_range(args.range)
     model_dir = model_folder(cfg)
@@ -46,7 +46,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     model_out = run_replay(model_dir, Path(args.source), id_range, Path(cfg.run.run_dir), run=cfg.run, model=cfg.model,
                            trainer=cfg.trainer, staleness=cfg.staleness, filters=cfg.filters, metrics=cfg.metrics,
                            hooks=cfg.hooks)
-    print(json.dumps({"model": str(model_out), "metrics": str(Path(cfg.run.run_dir) / "metrics" / "trainer.jsonl")}))
+    print(json.dumps({"model": str(model_out), "metrics": str(trainer_metrics_path(cfg.run.run_dir))}))
     return 0
 
 
@@ -54,15 +54,16 @@ def cmd_sft(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     cfg = load_recipe(args)
-    from pipeline.consumers.warmstart.config import format_summary, warmstart_model_dir
+    from pipeline.consumers.warmstart.config import format_summary
     from pipeline.consumers.warmstart.sft import run_warmstart
     from pipeline.launch.launcher import ensure_base_model
+    from pipeline.rundir import warmstart_metrics_path, warmstart_model_dir
 
     run_dir = Path(cfg.run.run_dir)
     summary = run_warmstart(run_dir, ensure_base_model(cfg), warmstart=cfg.warmstart, prompts=cfg.prompts, run=cfg.run,
                             model=cfg.model)
     print(format_summary(summary))
-    print(f"model: {warmstart_model_dir(run_dir)}  (metrics: {run_dir / 'metrics' / 'warmstart.jsonl'})")
+    print(f"model: {warmstart_model_dir(run_dir)}  (metrics: {warmstart_metrics_path(run_dir)})")
     return 0
 
 

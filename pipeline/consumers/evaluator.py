@@ -63,6 +63,7 @@ from pipeline.queue.base import QueueEntry
 from pipeline.queue.keys import RunKeys
 from pipeline.queue.redis_streams import SampleQueue
 from pipeline.queue.sample import Sample, SampleStatus
+from pipeline.rundir import eval_metrics_path
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,6 @@ log = logging.getLogger(__name__)
 ALL: Literal["all"] = "all"
 #: The version of a sample with no token versions in a group with none either.
 UNKNOWN_VERSION = -1
-METRICS_FILE = "metrics.jsonl"
 
 StatKey = int | Literal["all"]
 
@@ -544,12 +544,6 @@ _STAT_FIELDS = ("samples", "groups", "passes", "reward_count", "reward_sum", "re
 _STATUSES = tuple(s.value for s in SampleStatus)
 
 
-def default_metrics_path(run_dir: str | Path, group: str = "eval") -> Path:
-    """``<run_dir>/eval/metrics.jsonl`` for the default group, ``metrics-<group>.jsonl`` beside it for others."""
-    name = METRICS_FILE if group == "eval" else f"metrics-{group}.jsonl"
-    return Path(run_dir) / "eval" / name
-
-
 def run_eval(
     run_dir: str | Path | None = None,
     *,
@@ -585,7 +579,7 @@ def run_eval(
     handle = open_run(run_dir=run_dir, redis_url=redis_url, run=run, start_server=start_server)
     try:
         if metrics_path is None and handle.run_dir is not None:
-            metrics_path = default_metrics_path(handle.run_dir, cfg.group)
+            metrics_path = eval_metrics_path(handle.run_dir, cfg.group)
         evaluator = Evaluator(handle.queue, cfg, metrics_path=metrics_path, scalars=scalars)
         report = evaluator.run(stop=stop, until_idle_s=until_idle_s, reset=reset)
     except redis.ConnectionError as e:

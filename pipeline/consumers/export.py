@@ -21,14 +21,17 @@ from pipeline.config.model import ModelSource
 from pipeline.config.run import RunConfig
 from pipeline.config.trainer import TrainStepConfig
 from pipeline.errors import ConfigError
+from pipeline.rundir import (
+    CHECKPOINT_PREFIX,
+    CHECKPOINTS_DIR,
+    CONFIG_FILE,
+    config_path,
+    load_run_config,
+    model_folder,
+    run_checkpoints,
+)
 
 EXPORT_META = "sluice_export.json"
-
-
-def run_checkpoints(run_dir: str | Path) -> list[Path]:
-    """The run's complete Megatron checkpoints (``checkpoints/step-N``), oldest first."""
-    root = Path(run_dir) / "checkpoints"
-    return sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
 
 
 class CheckpointExporter:
@@ -89,8 +92,8 @@ def find_checkpoint(run_dir: Path, step: int | None) -> Path:
     """The run's checkpoint of ``step``, or its newest complete one; an error lists what there is."""
     found = run_checkpoints(run_dir)
     if not found:
-        raise ConfigError(f"{run_dir} has no complete checkpoint under checkpoints/ (step-N folders): the trainer "
-                          "writes one every trainer.checkpoint_every steps and at its end")
+        raise ConfigError(f"{run_dir} has no complete checkpoint under {CHECKPOINTS_DIR}/ ({CHECKPOINT_PREFIX}N "
+                          "folders): the trainer writes one every trainer.checkpoint_every steps and at its end")
     if step is None:
         return max(found, key=_step_of)
     for ckpt in found:
@@ -102,23 +105,22 @@ def find_checkpoint(run_dir: Path, step: int | None) -> Path:
 
 
 def _step_of(ckpt: Path) -> int:
-    return int(ckpt.name.removeprefix("step-"))
+    return int(ckpt.name.removeprefix(CHECKPOINT_PREFIX))
 
 
 def export_run(run_dir: Path, out: Path, step: int | None = None) -> ExportResult:
     """Write the checkpoint of ``step`` (default: the newest) of the run in ``run_dir`` as an HF folder ``out``."""
     from pipeline.consumers.megatron.checkpoint import read_checkpoint_meta
-    from pipeline.launch.launcher import CONFIG_FILE, load_run_config, model_folder
 
     run_dir = Path(run_dir)
-    if not (run_dir / CONFIG_FILE).is_file():
+    if not config_path(run_dir).is_file():
         raise ConfigError(f"{run_dir} has no {CONFIG_FILE}: not the folder of a `sluice run` (give --run-dir the "
                           "run folder)")
     if out.exists():
         raise ConfigError(f"{out} already exists; export into a new folder (or remove it first)")
     ckpt = find_checkpoint(run_dir, step)
     meta = read_checkpoint_meta(ckpt)
-    cfg = load_run_config(run_dir)
+    cfg = load_run_config(run_dir)  # the Redis URL stays redacted: the export never connects to the queue
     # The saved config names the run folder as the launcher saw it (often relative to another working directory).
     cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"run_dir": run_dir})})
     like = model_folder(cfg)

@@ -59,12 +59,24 @@ from pipeline.config.producer import BUILTIN_ROLLOUT, ProducerConfig
 from pipeline.config.prompts import PromptConfig
 from pipeline.config.run import PluginsConfig, RunConfig
 from pipeline.config.trainer import TrainStepConfig
-from pipeline.consumers.evaluator import default_metrics_path, reward_passed
-from pipeline.consumers.export import CheckpointExporter, run_checkpoints
-from pipeline.consumers.trainer.snapshots import SNAPSHOTS_DIR, is_done, list_snapshots, mark_done, snapshot_name
+from pipeline.consumers.evaluator import reward_passed
+from pipeline.consumers.export import CheckpointExporter
+from pipeline.consumers.trainer.snapshots import is_done, mark_done
 from pipeline.errors import ConfigError, EngineError
 from pipeline.metrics import ScalarSink, open_sinks
 from pipeline.models.spec import engine_patch_args
+from pipeline.rundir import (
+    HELDOUT_KIND,
+    base_model_source_dir,
+    eval_metrics_path,
+    heldout_export_path,
+    list_snapshots,
+    log_path,
+    read_heldout,
+    run_checkpoints,
+    snapshot_name,
+    snapshots_dir,
+)
 
 if TYPE_CHECKING:
     from pipeline.data.prompts import Prompt
@@ -74,9 +86,6 @@ if TYPE_CHECKING:
     from pipeline.sync.base import EngineReply
 
 log = logging.getLogger(__name__)
-
-KIND = "heldout"
-
 
 # ------------------------------------------------------------------------------------------------ pure figures
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -159,29 +168,10 @@ def append_line(path: Path, line: Mapping[str, Any]) -> None:
         os.close(fd)
 
 
-def read_heldout(path: str | Path) -> dict[int, dict[str, Any]]:
-    """The held-out lines of a metrics file by version (the last line of a version wins)."""
-    out: dict[int, dict[str, Any]] = {}
-    p = Path(path)
-    if not p.is_file():
-        return out
-    for n, raw in enumerate(p.read_text().splitlines()):
-        if f'"{KIND}"' not in raw:
-            continue
-        try:
-            d = json.loads(raw)
-        except json.JSONDecodeError:
-            log.warning("%s:%d is not a complete JSON line (a write cut short?); ignored", p, n + 1)
-            continue
-        if isinstance(d, dict) and d.get("kind") == KIND and isinstance(d.get("version"), int):
-            out[d["version"]] = d
-    return dict(sorted(out.items()))
-
-
 def caught_up(run_dir: str | Path) -> bool:
     """Whether the newest snapshot of a run has its held-out line (True when there is no snapshot)."""
-    present = list_snapshots(Path(run_dir) / SNAPSHOTS_DIR)
-    return not present or present[-1][0] in read_heldout(default_metrics_path(run_dir))
+    present = list_snapshots(snapshots_dir(run_dir))
+    return not present or present[-1][0] in read_heldout(eval_metrics_path(run_dir))
 
 
 # --------------------------------------------------------------------------------------------------- the evaluator
@@ -264,7 +254,7 @@ class HeldoutEvaluator:
             raise EngineError(f"the evaluation engine could not load {path}: {reply.message}")
         gate = asyncio.Semaphore(self.s.concurrency)
         outcomes = await asyncio.gather(*(self._prompt(i, version, gate) for i in range(len(self.prompts))))
-        line: dict[str, Any] = {"kind": KIND, "time": time.time(), "run": self.run, "version": version,
+        line: dict[str, Any] = {"kind": HELDOUT_KIND, "time": time.time(), "run": self.run, "version": version,
                                 "source": source, "snapshot": path.name, **summarize(outcomes, self.s.pass_k),
                                 "samples_per_prompt": self.s.samples, "temperature": self.s.temperature,
                                 "max_new_tokens": self.s.max_new_tokens, **(extra or {}),
@@ -354,7 +344,7 @@ class HeldoutEvaluator:
             version = int(meta["policy_version"])
             if version in done:
                 continue
-            out = Path(run_dir) / "eval" / "checkpoint-hf" / snapshot_name(version)
+            out = heldout_export_path(run_dir, version)
             exporter.export(ckpt, out)
             try:
                 lines.append(await self.evaluate(version, out, source="checkpoint",
@@ -470,13 +460,13 @@ def _die_with_parent() -> None:
 
 def _model_dir(run_dir: Path, source: ModelSource) -> Path:
     """The folder the private engine starts from: the run's model, else its first snapshot (both HF folders)."""
-    model = Path(source.path) if source.path is not None else run_dir / "model"
+    model = base_model_source_dir(run_dir, source)
     if (model / "config.json").is_file():
         return model
-    present = list_snapshots(run_dir / SNAPSHOTS_DIR)
+    present = list_snapshots(snapshots_dir(run_dir))
     if present:
         return present[0][1]
-    raise ConfigError(f"no model to evaluate with: {model} has no config.json and {run_dir / SNAPSHOTS_DIR} "
+    raise ConfigError(f"no model to evaluate with: {model} has no config.json and {snapshots_dir(run_dir)} "
                       "holds no snapshot")
 
 
@@ -505,7 +495,7 @@ async def open_heldout(run_dir: str | Path, *, evaluation: EvalConfig, producer:
     url = h.engine_url
     if url is None:
         # Started from this (the loop's) thread, not a worker: PR_SET_PDEATHSIG fires when the creating thread ends.
-        private = PrivateEngine.start(model_dir, run_dir / "logs" / "heldout-engine.log", dtype=engine.dtype,
+        private = PrivateEngine.start(model_dir, log_path(run_dir, "heldout-engine"), dtype=engine.dtype,
                                       max_batch=h.max_batch, seed=run.seed, timeout_s=h.startup_timeout_s,
                                       extra_args=engine_patch_args(model.engine_patch, plugins.paths))
         url = private.url
@@ -514,7 +504,7 @@ async def open_heldout(run_dir: str | Path, *, evaluation: EvalConfig, producer:
     try:
         yield HeldoutEvaluator(HeldoutSettings.from_config(evaluation, producer), engine=client, prompts=chosen,
                                tokenize=load_tokenize(model_dir), reward_fn=reward_fn,
-                               metrics_path=default_metrics_path(run_dir), run=run.name, scalars=scalars,
+                               metrics_path=eval_metrics_path(run_dir), run=run.name, scalars=scalars,
                                rollout_fn=rollout_fn, codec=load_codec(model_dir) if rollout_fn else None)
     finally:
         scalars.close()
@@ -538,7 +528,7 @@ def evaluate_run(run_dir: str | Path, *, evaluation: EvalConfig, producer: Produ
     every Megatron checkpoint) whose version has no held-out line, then return the new lines. ``trainer`` gives
     the checkpoints' model its router-replay setting."""
     run_dir = Path(run_dir)
-    root = run_dir / SNAPSHOTS_DIR
+    root = snapshots_dir(run_dir)
     if not list_snapshots(root) and not (checkpoints and run_checkpoints(run_dir)):
         raise ConfigError(f"{root} holds no weight snapshot (a run writes them with eval.heldout.enabled = true)"
                           + ("" if checkpoints else "; add --checkpoints to evaluate the run's checkpoints")
@@ -598,7 +588,7 @@ def serve_evaluators(run_dir: str | Path, stop: threading.Event, *, evaluation: 
                 async with open_heldout(run_dir, evaluation=evaluation, producer=producer, prompts=prompts,
                                         model=model, engine=engine, run=run, plugins=plugins,
                                         metrics=metrics) as evaluator:
-                    await evaluator.run_live(run_dir / SNAPSHOTS_DIR, stop, h.poll_s)
+                    await evaluator.run_live(snapshots_dir(run_dir), stop, h.poll_s)
 
             asyncio.run(main())
         else:

@@ -27,7 +27,7 @@ import httpx
 import redis
 
 from pipeline.config import RoleResources, SluiceConfig, public_dict
-from pipeline.consumers.warmstart.config import format_summary, read_done, warmstart_dir, warmstart_model_dir
+from pipeline.consumers.warmstart.config import format_summary, read_done
 from pipeline.errors import EngineError, SluiceError
 from pipeline.launch.cluster import ProcessSpec, RestartBudget, check_resources
 from pipeline.launch.control import Interrupted, RedisWatch, RunLock, RunLockedError, StopRequest
@@ -36,17 +36,28 @@ from pipeline.models.spec import engine_patch_args
 from pipeline.observe.live import LiveView
 from pipeline.observe.report import format_curve, format_heldout, learning_curve
 from pipeline.queue.connection import check_fsync_always, connect, has_secret, redact_url
-from pipeline.queue.credentials import ENV_URL, remove_secret_url, resolve_url, write_secret_url
+from pipeline.queue.credentials import ENV_URL, remove_secret_url, write_secret_url
 from pipeline.queue.redis_streams import SampleQueue
 from pipeline.queue.rundir import RunHandle, open_run
+from pipeline.rundir import (
+    base_model_folder,
+    config_path,
+    engines_path,
+    eval_metrics_path,
+    latest_checkpoint,
+    log_path,
+    model_folder,
+    placements_path,
+    plugins_path,
+    port_path,
+    trainer_metrics_path,
+    warmstart_dir,
+)
 
-__all__ = ["RunLock", "RunLockedError", "run", "prepare_run", "model_folder", "base_model_folder",
-           "ensure_base_model", "load_run_config", "CONFIG_FILE"]
+__all__ = ["RunLock", "RunLockedError", "run", "prepare_run", "ensure_base_model"]
 
 log = logging.getLogger(__name__)
 
-CONFIG_FILE = "config.json"
-PLUGINS_FILE = "plugins.json"
 # How long the orderly stop waits for the trainer ranks' last step, push and commit (a checkpoint save) before it
 # kills them; the data is safe either way (the entries stay pending), only the uncommitted steps are redone.
 TRAINER_STOP_S = 120.0
@@ -67,9 +78,9 @@ def prepare_run(cfg: SluiceConfig, handle: RunHandle | None = None) -> tuple[Run
     handle = handle or open_run_folder(cfg)
     ensure_base_model(cfg)
     # Credentials redacted: the run's processes read the secret from the launcher's private file instead.
-    (run_dir / CONFIG_FILE).write_text(json.dumps(public_dict(cfg), indent=1))
+    config_path(run_dir).write_text(json.dumps(public_dict(cfg), indent=1))
     # What user code the run executes, down to the byte: a result can be traced to the plug-ins that made it.
-    (run_dir / PLUGINS_FILE).write_text(json.dumps(cfg.plugin_records(), indent=1) + "\n")
+    plugins_path(run_dir).write_text(json.dumps(cfg.plugin_records(), indent=1) + "\n")
     if has_secret(handle.url):
         write_secret_url(run_dir, handle.url)
     for name in ("trainer", *(["archive"] if cfg.queue.archive.enabled else []),
@@ -96,29 +107,6 @@ def ensure_base_model(cfg: SluiceConfig) -> Path:
     return model_dir
 
 
-def base_model_folder(cfg: SluiceConfig) -> Path:
-    """The HF model a run starts from before any warm start: model.path, else the tiny model in the run folder."""
-    return Path(cfg.model.path) if cfg.model.path is not None else Path(cfg.run.run_dir) / "model"
-
-
-def model_folder(cfg: SluiceConfig) -> Path:
-    """The HF model engines, producers' tokenizer and trainer (and its KL reference) start from: the warm-started
-    one when warmstart.enabled, else the base model."""
-    if cfg.warmstart.enabled:
-        return warmstart_model_dir(Path(cfg.run.run_dir))
-    return base_model_folder(cfg)
-
-
-def load_run_config(run_dir: Path) -> SluiceConfig:
-    """The run's resolved config, as its processes use it: a redacted Redis URL is replaced by the real one
-    (``pipeline.queue.credentials.resolve_url``)."""
-    cfg = SluiceConfig.model_validate(json.loads((run_dir / CONFIG_FILE).read_text()))
-    url = resolve_url(run_dir, cfg.queue.redis_url)
-    if url != cfg.queue.redis_url:
-        cfg.queue.redis_url = url
-    return cfg
-
-
 def _env(**extra: str) -> dict[str, str]:
     # The Redis URL stays behind: it may hold a password, and a spec's environment travels through Ray. The
     # processes read it from the launcher's private file (pipeline.queue.credentials).
@@ -133,7 +121,7 @@ def _spec(cfg: SluiceConfig, role: str, name: str, args: list[str], *, env: dict
           port_file: Path | None = None, module: str = "pipeline.launch.processes") -> ProcessSpec:
     want: RoleResources = getattr(cfg.ray, role)
     run_dir = Path(cfg.run.run_dir).resolve()
-    return ProcessSpec(name, [sys.executable, "-m", module, *args], str(run_dir / "logs" / f"{name}.log"),
+    return ProcessSpec(name, [sys.executable, "-m", module, *args], str(log_path(run_dir, name)),
                        env=_env(**(env or {})), num_cpus=want.num_cpus, num_gpus=want.num_gpus,
                        resources=dict(want.resources), port_file=None if port_file is None else str(port_file),
                        cwd=os.getcwd())
@@ -244,7 +232,7 @@ def launch_engines(cfg: SluiceConfig, sup: Supervisor, model_dir: Path, run_dir:
 
 
 def _cpu_engine_spec(cfg: SluiceConfig, i: int, model_dir: Path, run_dir: Path, hold: bool) -> ProcessSpec:
-    port_file = run_dir / "logs" / f".engine-{i}.port"
+    port_file = port_path(run_dir, f"engine-{i}")
     args = [str(model_dir.resolve()), "--host", "{node_ip}", "--port", "0", "--port-file", str(port_file),
             "--dtype", cfg.engine.dtype, "--max-batch", str(cfg.engine.max_batch), "--seed", str(cfg.run.seed + i),
             "--log-level", "warning"]
@@ -263,7 +251,7 @@ def _sglang_spec(cfg: SluiceConfig, i: int, model_dir: Path, run_dir: Path, hold
     adoption then relabels or re-syncs it like any engine. ``hold`` has no SGLang counterpart: a resumed run's
     trainer pushes its weights first thing, and samples made before that are stale and dropped.
     """
-    port_file = run_dir / "logs" / f".engine-{i}.port"
+    port_file = port_path(run_dir, f"engine-{i}")
     server = ["--model-path", str(model_dir.resolve()), "--weight-version", "0"]
     if cfg.producer.return_routed_experts:
         server.append("--enable-return-routed-experts")
@@ -279,7 +267,7 @@ def _url(info: dict[str, Any]) -> str:
 
 
 def _engine_restarted(sup: Supervisor, run_dir: Path, index: int, url: str) -> None:
-    path = run_dir / "engines.json"
+    path = engines_path(run_dir)
     urls = json.loads(path.read_text())
     if urls[index] == url:
         return
@@ -295,9 +283,10 @@ def _engine_restarted(sup: Supervisor, run_dir: Path, index: int, url: str) -> N
 def write_engines(run_dir: Path, urls: list[str]) -> None:
     """``RUN_DIR/engines.json``, whole or not at all: trainer rank 0 reads it the moment it appears, producers when
     they start."""
-    partial = run_dir / "engines.json.tmp"
+    final = engines_path(run_dir)
+    partial = final.with_name(final.name + ".tmp")
     partial.write_text(json.dumps(urls))
-    partial.rename(run_dir / "engines.json")
+    partial.rename(final)
 
 
 def start_trainers(cfg: SluiceConfig, sup: Supervisor, run_dir: Path, placement: Any) -> list[str]:
@@ -307,7 +296,7 @@ def start_trainers(cfg: SluiceConfig, sup: Supervisor, run_dir: Path, placement:
 
     world = cfg.trainer.world_size
     names = [f"trainer-{r}" for r in range(world)]
-    port_file = run_dir / "logs" / ".trainer-0.port"
+    port_file = port_path(run_dir, "trainer-0")
     strategy = [PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=r) for r in range(world)]
     env = {"WORLD_SIZE": str(world), "LOCAL_RANK": "0"}  # Ray gives each rank its own GPUs, as device 0
     rank0 = _spec(cfg, "trainer", names[0], ["trainer", str(run_dir)], port_file=port_file,
@@ -363,7 +352,7 @@ def run(cfg: SluiceConfig) -> int:
     # Every process of the run inherits it (Ray's too): what finds them all, wherever Ray put them.
     os.environ["SLUICE_RUN_DIR"] = str(run_dir.resolve())
     sup = Supervisor(budget=lambda: RestartBudget(cfg.ray.restart_limit, cfg.ray.restart_window_s),
-                     start_timeout_s=cfg.ray.startup_timeout_s, placements=run_dir / "logs" / "placements.jsonl")
+                     start_timeout_s=cfg.ray.startup_timeout_s, placements=placements_path(run_dir))
     stop = StopRequest(on_force=sup.force)
     stop.install()  # first: from here on a signal leads to the orderly stop, whatever is starting
     try:
@@ -393,10 +382,10 @@ def run(cfg: SluiceConfig) -> int:
                     _check_resources(cfg)
                     placement = _start_children(cfg, sup, handle, model_dir, stop.pause)
                     _supervise(cfg, sup, handle, placement, stop.pause)
-                    print(format_curve(learning_curve(run_dir / "metrics" / "trainer.jsonl")))
+                    print(format_curve(learning_curve(trainer_metrics_path(run_dir))))
                     if cfg.eval.heldout.enabled and cfg.eval.heldout.live:
                         _wait_for_heldout(sup, run_dir, cfg.eval.heldout.final_wait_s, stop.pause)
-                        print(format_heldout(run_dir / "eval" / "metrics.jsonl"))
+                        print(format_heldout(eval_metrics_path(run_dir)))
                     from pipeline.observe.plots import write_plots  # matplotlib: only now
 
                     print(f"plots: {', '.join(str(p) for p in write_plots(run_dir).values())}")
@@ -431,15 +420,13 @@ def _start_children(cfg: SluiceConfig, sup: Supervisor, handle: RunHandle, model
     run_dir = Path(cfg.run.run_dir).resolve()
     if cfg.warmstart.enabled:
         warm_start(cfg, run_dir, sup, pause)
-    from pipeline.consumers.trainer.checkpoints import latest_checkpoint
-
     placement = trainer_placement(cfg)
     # A trainer that started before (``Trainer.resume``) may have left the engines half-pushed: not a fresh start.
-    resuming = (latest_checkpoint(run_dir / "checkpoints") is not None or handle.queue.policy_version() > 0
+    resuming = (latest_checkpoint(run_dir) is not None or handle.queue.policy_version() > 0
                 or handle.queue.trainer_started_before())
     # The trainer ranks build their model while the engines load theirs: rank 0 waits for engines.json only when it
     # first needs the engines, and a file an earlier launch left must not be taken for this one's.
-    (run_dir / "engines.json").unlink(missing_ok=True)
+    engines_path(run_dir).unlink(missing_ok=True)
     engines_up = launch_engines(cfg, sup, model_dir, run_dir, pause, hold=resuming)
     start_trainers(cfg, sup, run_dir, placement)
     others = []
@@ -572,9 +559,7 @@ def _restart_trainer_group(cfg: SluiceConfig, sup: Supervisor, trainers: set[str
 
 
 def _stopped_summary(run_dir: Path, stop: StopRequest) -> str:
-    from pipeline.consumers.trainer.checkpoints import latest_checkpoint
-
-    latest = latest_checkpoint(run_dir / "checkpoints")
+    latest = latest_checkpoint(run_dir)
     committed = "no checkpoint yet" if latest is None else f"last checkpoint {latest.name}"
     if stop.forced:
         how = "forced"

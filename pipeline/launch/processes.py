@@ -18,7 +18,9 @@ import time
 from pathlib import Path
 
 from pipeline.errors import ConfigError, SluiceError
-from pipeline.launch.launcher import CONFIG_EXIT_CODE, REFUSED, base_model_folder, load_run_config, model_folder
+from pipeline.launch.launcher import CONFIG_EXIT_CODE, REFUSED
+from pipeline.queue.credentials import resolve_url
+from pipeline.rundir import archive_dir, base_model_folder, engines_path, load_run_config, model_folder
 
 log = logging.getLogger("sluice")
 
@@ -29,12 +31,12 @@ def producer_main(run_dir: Path, name: str) -> None:
     from pipeline.producers.reporting import ProducerReporter
     from pipeline.queue.rundir import open_run
 
-    cfg = load_run_config(run_dir)
+    cfg = load_run_config(run_dir, resolve_url)
     # The embedded Redis's URL, when it is one (the launcher's server: never started here).
     handle = open_run(run_dir=run_dir, redis_url=cfg.queue.redis_url, start_server=False)
     handle.close()
     spec = ProducerSpec(
-        name=name, run=handle.run, redis_url=handle.url, engine_urls=json.loads((run_dir / "engines.json").read_text()),
+        name=name, run=handle.run, redis_url=handle.url, engine_urls=json.loads(engines_path(run_dir).read_text()),
         model_dir=model_folder(cfg), producer=cfg.producer, prompts=cfg.prompts,
         pacing=PacingConfig(max_lag=cfg.staleness.max_lag, batch_groups=cfg.trainer.batch_groups),
         queue_capacity=cfg.queue.capacity, routing_codec=cfg.queue.routing_codec,
@@ -70,7 +72,7 @@ def trainer_main(run_dir: Path) -> None:
     from pipeline.producers.sglang_client import SGLangClient
 
     bind_rank0_store()  # before the heavy imports, so that the other ranks can start joining at once
-    cfg = load_run_config(run_dir)
+    cfg = load_run_config(run_dir, resolve_url)
     rank = int(os.environ.get("RANK", "0"))
 
     def engines() -> list[SGLangClient]:
@@ -92,7 +94,7 @@ def trainer_main(run_dir: Path) -> None:
 def wait_for_engines(run_dir: Path, timeout_s: float, poll_s: float = 0.2) -> list[str]:
     """The engines' URLs from ``RUN_DIR/engines.json``, which the launcher writes once they answer and were adopted
     (the trainer starts while they load)."""
-    path = run_dir / "engines.json"
+    path = engines_path(run_dir)
     start = time.monotonic()
     while not path.exists():
         if time.monotonic() - start > timeout_s:
@@ -108,7 +110,7 @@ def evaluator_main(run_dir: Path) -> None:
     """The evaluator consumers of the run (stream aggregates, held-out generation), until SIGTERM."""
     from pipeline.heldout.evaluate import serve_evaluators
 
-    cfg = load_run_config(run_dir)
+    cfg = load_run_config(run_dir, resolve_url)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     serve_evaluators(run_dir, stop, evaluation=cfg.eval, producer=cfg.producer, prompts=cfg.prompts, model=cfg.model,
@@ -134,13 +136,13 @@ def archiver_main(run_dir: Path) -> None:
     from pipeline.queue.archive import Archiver
     from pipeline.queue.rundir import open_run
 
-    cfg = load_run_config(run_dir)
+    cfg = load_run_config(run_dir, resolve_url)
     handle = open_run(run_dir=run_dir, redis_url=cfg.queue.redis_url, start_server=False)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
-        Archiver(handle.queue, run_dir / "archive", segment_samples=cfg.queue.archive.segment_samples,
+        Archiver(handle.queue, archive_dir(run_dir), segment_samples=cfg.queue.archive.segment_samples,
                  flush_interval_s=cfg.queue.archive.flush_interval_s).run(stop=stop)
     finally:
         handle.close()
@@ -150,7 +152,7 @@ def sft_main(run_dir: Path) -> None:
     """The run's warm start (SFT of the base model into RUN_DIR/warmstart), then exit; the launcher waits for it."""
     from pipeline.consumers.warmstart.sft import run_warmstart
 
-    cfg = load_run_config(run_dir)
+    cfg = load_run_config(run_dir, resolve_url)
     run_warmstart(run_dir, base_model_folder(cfg), warmstart=cfg.warmstart, prompts=cfg.prompts, run=cfg.run,
                   model=cfg.model)
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import SluiceError
+from pipeline.rundir import log_path, logs_dir
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +159,7 @@ class PrivateHead:
 def start_private_head(run_dir: Path, *, num_cpus: float, dashboard: bool) -> PrivateHead:
     """Begin starting a private instance for the run (about 6 s here); ``connected`` waits for it, so the caller
     can prepare the run meanwhile."""
-    head = PrivateHead(temp_dir_for(run_dir), run_dir / "logs" / ".ray-head.state", run_dir / "logs" / "ray.log",
+    head = PrivateHead(temp_dir_for(run_dir), logs_dir(run_dir) / ".ray-head.state", log_path(run_dir, "ray"),
                        num_cpus=num_cpus, dashboard=dashboard)
     head.start()
     return head

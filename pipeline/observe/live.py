@@ -19,8 +19,9 @@ from typing import Any
 
 import redis
 
-from pipeline.observe.report import step_rates, trainer_rows
+from pipeline.observe.report import step_rates
 from pipeline.queue.redis_streams import SampleQueue
+from pipeline.rundir import eval_metrics_path, read_heldout, trainer_metrics_path, trainer_rows
 
 log = logging.getLogger(__name__)
 
@@ -110,11 +111,9 @@ def collect(run_dir: Path, queue: SampleQueue | None, total_steps: int, window: 
             rows: list[dict[str, Any]] | None = None) -> RunStatus:
     """The run's status now, from its files and (when given) its Redis; ``rows``: the trainer's last lines, when
     the caller keeps them (``TrainerTail``)."""
-    from pipeline.heldout.evaluate import read_heldout
-
     now = time.time()
     if rows is None:
-        rows = trainer_rows(run_dir / "metrics" / "trainer.jsonl")
+        rows = trainer_rows(trainer_metrics_path(run_dir))
     recent = rows[-window:]
     rates = step_rates(rows[-(window + 1):], window)
     rate = rates[-1] if rates else None
@@ -123,7 +122,7 @@ def collect(run_dir: Path, queue: SampleQueue | None, total_steps: int, window: 
     if rate and step is not None:
         k = min(window, len(rows) - 1)
         eta = max(0, total_steps - step) * (float(rows[-1]["time"]) - float(rows[-k - 1]["time"])) / k
-    heldout = read_heldout(run_dir / "eval" / "metrics.jsonl")
+    heldout = read_heldout(eval_metrics_path(run_dir))
     newest = heldout[max(heldout)] if heldout else {}
     depth = pending = dead = version = None
     push_age = None
@@ -214,7 +213,7 @@ class LiveView:
         self.console = console or Console()
         self.interactive = self.console.is_terminal
         self._live: Any = None
-        self._tail = TrainerTail(self.run_dir / "metrics" / "trainer.jsonl")
+        self._tail = TrainerTail(trainer_metrics_path(self.run_dir))
         self._last = 0.0 if self.interactive else time.monotonic()  # the plain line waits its first 10 s
 
     def __enter__(self) -> LiveView:

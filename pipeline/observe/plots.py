@@ -18,9 +18,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pipeline.observe.report import read_jsonl, step_rates, trainer_rows
+from pipeline.observe.report import step_rates
+from pipeline.rundir import (
+    eval_metrics_path,
+    plots_dir,
+    producer_metrics_paths,
+    read_heldout,
+    read_jsonl,
+    trainer_metrics_path,
+    trainer_rows,
+)
 
-PLOTS_DIR = "plots"
 _LAG_KEYS = ("staleness/lag_neg", "staleness/lag_0", "staleness/lag_1", "staleness/lag_2", "staleness/lag_3+")
 
 
@@ -167,14 +175,12 @@ def plot_throughput(rows: list[dict[str, Any]], producers: dict[str, list[dict[s
 def write_plots(run_dir: Path) -> dict[str, Path]:
     """Every plot of the run into ``RUN_DIR/plots``; returns them by name. Notes on missing series are logged into
     ``plots/README.txt`` (what a plot could not show, and why)."""
-    from pipeline.heldout.evaluate import read_heldout
-
     run_dir = Path(run_dir)
-    folder = run_dir / PLOTS_DIR
+    folder = plots_dir(run_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    rows = trainer_rows(run_dir / "metrics" / "trainer.jsonl")
-    heldout = list(read_heldout(run_dir / "eval" / "metrics.jsonl").values())
-    producers = {p.stem: read_jsonl(p) for p in sorted((run_dir / "metrics").glob("producer-*.jsonl"))}
+    rows = trainer_rows(trainer_metrics_path(run_dir))
+    heldout = list(read_heldout(eval_metrics_path(run_dir)).values())
+    producers = {p.stem: read_jsonl(p) for p in producer_metrics_paths(run_dir)}
     out = {name: folder / f"{name}.png" for name in ("reward", "lag", "mismatch", "throughput")}
     plot_reward(rows, heldout, out["reward"])
     plot_lag(rows, out["lag"])

@@ -3,32 +3,13 @@ pass rates per evaluated version, in the terminal."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from statistics import mean
 from typing import Any
 
+from pipeline.rundir import read_heldout, trainer_rows
+
 BAR = 40
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The lines of a metrics file; a line cut short by a writer killed mid-write (the last one) is skipped."""
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return out
-
-
-def trainer_rows(metrics_path: Path) -> list[dict[str, Any]]:
-    """The trainer's lines by step, oldest first; a step redone after a restart: the last line counts."""
-    rows = {int(d["step"]): d for d in read_jsonl(metrics_path) if "step" in d}
-    return [rows[s] for s in sorted(rows)]
 
 
 def step_rates(rows: list[dict[str, Any]], window: int = 1) -> list[dict[str, float]]:
@@ -75,8 +56,6 @@ def format_curve(curve: list[tuple[int, int, float]]) -> str:
 
 def format_heldout(metrics_path: Path) -> str:
     """Held-out pass rates per evaluated version (the ``"kind": "heldout"`` lines of ``eval/metrics.jsonl``)."""
-    from pipeline.heldout.evaluate import read_heldout
-
     rows = read_heldout(metrics_path)
     if not rows:
         return "no held-out evaluation yet"

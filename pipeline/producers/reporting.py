@@ -18,6 +18,7 @@ from typing import Any
 from pipeline.config.metrics import MetricsConfig
 from pipeline.metrics import open_sinks
 from pipeline.producers.producer import Producer
+from pipeline.rundir import producer_metrics_path
 
 
 def _last_line(path: Path) -> dict[str, Any]:
@@ -37,7 +38,7 @@ class ProducerReporter:
 
     def __init__(self, producer: Producer, run_dir: Path, cfg: MetricsConfig, run_name: str = "sluice") -> None:
         self.producer = producer
-        self.path = Path(run_dir) / "metrics" / f"{producer.name}.jsonl"
+        self.path = producer_metrics_path(run_dir, producer.name)
         self.every_s = cfg.producer_every_s
         before = _last_line(self.path)
         self._base_samples = int(before.get("samples_total", 0))

@@ -20,8 +20,7 @@ from pipeline.queue.credentials import ENV_URL, public_url, resolve_url
 from pipeline.queue.keys import check_run_name
 from pipeline.queue.redis_server import AppendFsync, EmbeddedRedis
 from pipeline.queue.redis_streams import SampleQueue
-
-RUN_FILE = "run.json"
+from pipeline.rundir import RUN_FILE, redis_dir
 
 
 @dataclass
@@ -92,8 +91,8 @@ def open_run(
 
     server = None
     if redis_url is None:
-        server = EmbeddedRedis(folder / "redis", appendfsync=appendfsync)
-        if not create and not (folder / "redis").exists():
+        server = EmbeddedRedis(redis_dir(folder), appendfsync=appendfsync)
+        if not create and not redis_dir(folder).exists():
             raise ConfigError(
                 f"{folder} has no embedded Redis state (redis/); was the run started with an external URL?")
         if start_server or create:

@@ -24,7 +24,6 @@ from pipeline.consumers.evaluator import (
     EvalAggregate,
     Evaluator,
     aggregate_groups,
-    default_metrics_path,
     eval_key,
     read_eval_summary,
     run_eval,
@@ -36,6 +35,7 @@ from pipeline.queue.base import QueueEntry
 from pipeline.queue.redis_streams import SampleQueue
 from pipeline.queue.rundir import write_run_file
 from pipeline.queue.sample import Sample
+from pipeline.rundir import eval_metrics_path
 
 _FLOATS = ("reward_mean", "reward_std", "reward_min", "reward_max", "pass_rate", "response_len_mean")
 
@@ -301,7 +301,7 @@ def test_killed_evaluator_restarts_without_losing_or_double_counting(queue: Samp
     assert_same(report.aggregate, aggregate_groups(groups))
     assert_same(read_eval_summary(queue), aggregate_groups(groups))
     # the metrics file's newest line per version is the final figure
-    lines = [json.loads(x) for x in default_metrics_path(tmp_path / "run").read_text().splitlines()]
+    lines = [json.loads(x) for x in eval_metrics_path(tmp_path / "run").read_text().splitlines()]
     newest = {str(rec["version"]): rec for rec in lines}
     assert newest[ALL]["groups"] == 60 and newest[ALL]["samples"] == report.aggregate.total.samples
     for v, st in report.aggregate.by_version.items():

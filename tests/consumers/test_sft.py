@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pipeline.config import SluiceConfig, load_config
-from pipeline.consumers.warmstart.config import read_done, warmstart_metrics_path, warmstart_model_dir
+from pipeline.consumers.warmstart.config import read_done
 from pipeline.consumers.warmstart.sft import (
     BatchOrder,
     SFTData,
@@ -28,6 +28,7 @@ from pipeline.consumers.warmstart.sft import (
 from pipeline.data.prompts import Prompt, setup_heldout, setup_prompts
 from pipeline.errors import ConfigError
 from pipeline.models.tiny import build_tokenizer
+from pipeline.rundir import warmstart_metrics_path, warmstart_model_dir
 
 STEPS = 400
 HELDOUT = 200

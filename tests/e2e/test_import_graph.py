@@ -126,6 +126,12 @@ def test_no_module_level_import_circle_in_pipeline() -> None:
     assert cycle is None, "module-level import circle: " + " -> ".join(cycle or [])
 
 
+#: Every stage, and what sits above the stages; ``pipeline.rundir`` imports none of them.
+STAGES = ("pipeline.queue", "pipeline.producers", "pipeline.consumers", "pipeline.sync", "pipeline.heldout",
+          "pipeline.data", "pipeline.models", "pipeline.metrics", "pipeline.launch", "pipeline.cli",
+          "pipeline.observe", "pipeline.benchmarks")
+
+
 def test_the_stages_below_do_not_import_the_stages_above() -> None:
     """queue and sync use neither producers nor consumers; producers and consumers do not import each other, nor the
     launcher, the CLI or the observers above them (deferred imports inside functions excepted)."""
@@ -138,6 +144,8 @@ def test_the_stages_below_do_not_import_the_stages_above() -> None:
         "pipeline.consumers": ("pipeline.producers", "pipeline.launch", "pipeline.cli", "pipeline.observe"),
         "pipeline.config": ("pipeline.queue", "pipeline.producers", "pipeline.consumers", "pipeline.sync",
                             "pipeline.launch", "pipeline.cli", "pipeline.observe"),
+        # The run folder's layout sits below every stage: any of them, the queue included, may import it.
+        "pipeline.rundir": STAGES,
     }
     wrong = []
     for module, imports in import_graph().items():
@@ -145,3 +153,21 @@ def test_the_stages_below_do_not_import_the_stages_above() -> None:
             if module == stage or module.startswith(stage + "."):
                 wrong += [f"{module} imports {m}" for m in sorted(imports) if m.startswith(forbidden)]
     assert not wrong, "\n".join(wrong)
+
+
+def test_rundir_imports_only_the_recipe_schema_and_errors_even_when_deferred() -> None:
+    """``pipeline.rundir`` is importable from anywhere: besides the standard library it reaches for
+    ``pipeline.errors`` and ``pipeline.config`` only, at module level or inside a function."""
+    tree = ast.parse((PACKAGE / "rundir.py").read_text())
+    names = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
+    names += [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+    wrong = [n for n in names if n.startswith("pipeline") and n.partition(".")[2].partition(".")[0]
+             not in ("errors", "config")]
+    wrong += [n for n in names if not n.startswith("pipeline") and n.partition(".")[0] not in _stdlib()]
+    assert names and not wrong, wrong
+
+
+def _stdlib() -> frozenset[str]:
+    import sys
+
+    return frozenset(sys.stdlib_module_names) | {"__future__"}

@@ -27,7 +27,6 @@ from pipeline.consumers.trainer.snapshots import (  # noqa: E402
     DONE_MARK,
     SnapshotWriter,
     is_done,
-    list_snapshots,
     mark_done,
 )
 from pipeline.data.prompts import Prompt  # noqa: E402
@@ -39,13 +38,13 @@ from pipeline.heldout.evaluate import (  # noqa: E402
     caught_up,
     pass_at_k,
     plan_live,
-    read_heldout,
     summarize,
 )
 from pipeline.models.tiny import init_tiny_model  # noqa: E402
 from pipeline.producers.producer import load_tokenize  # noqa: E402
 from pipeline.producers.rewards import exact_match  # noqa: E402
 from pipeline.producers.sglang_client import SGLangClient  # noqa: E402
+from pipeline.rundir import list_snapshots, read_heldout  # noqa: E402
 
 ROOT = Path(__file__).parents[2]
 MAX_NEW = 6

@@ -8,11 +8,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.consumers.trainer.checkpoints import latest_checkpoint
 from pipeline.consumers.trainer.ledger import read_ledger
 from pipeline.errors import SampleDecodeError
 from pipeline.queue.archive import parse_id
 from pipeline.queue.redis_streams import SampleQueue
+from pipeline.rundir import latest_checkpoint, ledger_dir
 
 
 @dataclass
@@ -33,11 +33,11 @@ class TrainerAudit:
 
 
 def audit_trainer(queue: SampleQueue, run_dir: Path, group: str = "trainer") -> TrainerAudit:
-    latest = latest_checkpoint(run_dir / "checkpoints")
+    latest = latest_checkpoint(run_dir)
     step = int(latest.name.split("-")[1]) if latest is not None else -1
     fates: Counter[str] = Counter()
     seen: Counter[str] = Counter()
-    for line in read_ledger(run_dir / "ledger", upto_step=step):
+    for line in read_ledger(ledger_dir(run_dir), upto_step=step):
         fates[line.fate] += 1
         seen[line.sample_id] += 1
     groups = {g.name: g for g in queue.stats().groups}

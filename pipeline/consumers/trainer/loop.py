@@ -27,7 +27,7 @@ import msgpack
 import torch
 import torch.distributed as dist
 
-from pipeline.consumers.trainer.checkpoints import latest_checkpoint, prune_checkpoints
+from pipeline.consumers.trainer.checkpoints import prune_checkpoints
 from pipeline.consumers.trainer.drain import Batch
 from pipeline.consumers.trainer.hooks import HookRunner
 from pipeline.consumers.trainer.ledger import Ledger, LedgerLine
@@ -37,6 +37,7 @@ from pipeline.errors import SyncError
 from pipeline.queue.codec import decode_samples, encode_samples
 from pipeline.queue.redis_streams import RESUME_EVENT, SampleQueue
 from pipeline.queue.sample import Sample
+from pipeline.rundir import checkpoint_name, checkpoints_dir, latest_checkpoint, trainer_metrics_path
 from pipeline.sync.packing import PackedBucket
 
 log = logging.getLogger(__name__)
@@ -193,8 +194,8 @@ class Trainer:
         self.scalars = scalars  # rank 0's TensorBoard (and W&B) mirror of the metrics lines (pipeline.metrics)
         self.hooks = hooks  # rank 0's user hooks (pipeline.consumers.trainer.hooks)
         self.profiler = StepProfiler(settings.profile_steps, settings.run_dir, self.rank)
-        self.ckpt_root = settings.run_dir / "checkpoints"
-        self.metrics_path = settings.run_dir / "metrics" / "trainer.jsonl"
+        self.ckpt_root = checkpoints_dir(settings.run_dir)
+        self.metrics_path = trainer_metrics_path(settings.run_dir)
         self.step = 0
         self.version = 0
         self._uncommitted: list[str] = []
@@ -250,7 +251,7 @@ class Trainer:
 
     # ---------------------------------------------------------------------------------------------------- steps
     def resume(self) -> None:
-        latest = latest_checkpoint(self.ckpt_root)
+        latest = latest_checkpoint(self.s.run_dir)
         meta: dict[str, Any] = {}
         checkpoint_version = 0
         if latest is not None:
@@ -499,7 +500,7 @@ class Trainer:
         from pipeline.consumers.megatron.checkpoint import save_checkpoint
 
         self.finish_push()  # the checkpoint records a version every engine has confirmed
-        directory = self.ckpt_root / f"step-{self.step:08d}"
+        directory = self.ckpt_root / checkpoint_name(self.step)
         if directory.exists():
             raise RuntimeError(f"checkpoint {directory} exists already: a step number was reused, which would "
                                "break the ledger's exactly-once accounting")

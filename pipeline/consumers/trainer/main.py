@@ -31,6 +31,7 @@ from pipeline.consumers.trainer.loop import RedisClock, Trainer, TrainerSettings
 from pipeline.consumers.trainer.snapshots import SnapshotWriter
 from pipeline.errors import ConfigError
 from pipeline.metrics import open_sinks
+from pipeline.rundir import base_model_dir, engines_path, latest_checkpoint, ledger_dir
 from pipeline.sync.base import WeightUpdateEngine
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ def run_trainer(run_dir: Path, model_dir: Path,
         from pipeline.queue.rundir import open_run
 
         handle = open_run(run_dir=run_dir, redis_url=queue.redis_url, capacity=queue.capacity, start_server=False)
-        ledger = Ledger(run_dir / "ledger")
+        ledger = Ledger(ledger_dir(run_dir))
         source = Drainer(handle.queue, ledger, staleness, filters=filters, consumer="trainer-0",
                          block_ms=trainer.drain_block_ms, claim_idle_ms=queue.claim_idle_ms,
                          min_groups=ps.get_data_parallel_world_size())
@@ -189,10 +190,10 @@ async def _connect_pusher(sync: SyncConfig, engines: Sequence[WeightUpdateEngine
         from pipeline.producers.sglang_client import SGLangClient
 
         by_url = {e.name: e for e in known}
-        urls = [u.rstrip("/") for u in json.loads((run_dir / "engines.json").read_text())]
+        urls = [u.rstrip("/") for u in json.loads(engines_path(run_dir).read_text())]
         return [by_url.get(url) or SGLangClient(url) for url in urls]
 
-    return await EngineRotation.start(engines, connect, discover if (run_dir / "engines.json").exists() else None)
+    return await EngineRotation.start(engines, connect, discover if engines_path(run_dir).exists() else None)
 
 
 def model_dtype(model_dir: Path) -> str | None:
@@ -210,7 +211,6 @@ def run_replay(model_dir: Path, source: Path, id_range: tuple[str | None, str | 
 
     from pipeline.consumers.megatron.checkpoint import read_checkpoint_meta
     from pipeline.consumers.megatron.model import shutdown_parallel
-    from pipeline.consumers.trainer.checkpoints import latest_checkpoint
     from pipeline.consumers.trainer.loop import LocalClock
     from pipeline.consumers.trainer.replay import ReplaySource, first_version, open_records
 
@@ -219,8 +219,8 @@ def run_replay(model_dir: Path, source: Path, id_range: tuple[str | None, str | 
     from pipeline.consumers.megatron.convert import check_exportable
 
     check_exportable(megatron_model, model_cfg)  # the trained model is exported at the end: refuse now, not later
-    ledger = Ledger(out_dir / "ledger")
-    latest = latest_checkpoint(out_dir / "checkpoints")
+    ledger = Ledger(ledger_dir(out_dir))
+    latest = latest_checkpoint(out_dir)
     start = int(read_checkpoint_meta(latest)["policy_version"]) if latest else first_version(source, id_range)
     settings = TrainerSettings(steps=trainer.steps, batch_groups=trainer.batch_groups,
                                checkpoint_every=trainer.checkpoint_every,
@@ -239,11 +239,11 @@ def run_replay(model_dir: Path, source: Path, id_range: tuple[str | None, str | 
         driver.train()
         if driver.step == 0:
             raise ConfigError(f"replay of {source} trained nothing: no group passed the staleness policy")
-        export_hf_model(megatron_model, model_cfg, model_dir, out_dir / "model")
+        export_hf_model(megatron_model, model_cfg, model_dir, base_model_dir(out_dir))
     finally:
         driver.close()
         shutdown_parallel()
-    return out_dir / "model"
+    return base_model_dir(out_dir)
 
 
 def export_hf_model(model: Any, model_cfg: Any, like: Path, out: Path) -> None:

@@ -16,15 +16,16 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from pipeline.rundir import profiles_dir
+
 log = logging.getLogger(__name__)
 
-PROFILES_DIR = "profiles"
 STEP_MARK = "sluice.step.{}"
 
 
 def trace_path(run_dir: Path, rank: int, steps: tuple[int, int]) -> Path:
     """Where rank ``rank`` writes the trace of ``steps``."""
-    return Path(run_dir) / PROFILES_DIR / f"trainer-rank{rank}-steps{steps[0]}-{steps[1]}.json"
+    return profiles_dir(run_dir) / f"trainer-rank{rank}-steps{steps[0]}-{steps[1]}.json"
 
 
 class StepProfiler:

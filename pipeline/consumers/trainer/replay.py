@@ -23,6 +23,7 @@ from pipeline.consumers.trainer.ledger import Ledger
 from pipeline.consumers.trainer.loop import LocalClock
 from pipeline.errors import ConfigError, SampleDecodeError
 from pipeline.queue.sample import Sample
+from pipeline.rundir import run_file_path
 
 Record = tuple[str, list[Sample]]  # (stream id, the group's samples)
 
@@ -116,7 +117,7 @@ def open_records(source: Path, id_range: tuple[str | None, str | None] | None) -
     """A recording by path: an archive folder (Parquet segments) or a run folder (its stream)."""
     if any(source.glob("seg-*.parquet")):
         return archive_records(source, id_range)
-    if (source / "run.json").exists():
+    if run_file_path(source).exists():
         return stream_records(source, id_range)
     raise ConfigError(f"{source} is neither an archive (seg-*.parquet) nor a run folder (run.json); point --from at "
                       "run_dir/archive, a `sluice queue export` folder, or a run folder")

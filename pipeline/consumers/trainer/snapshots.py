@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from pipeline.errors import ConfigError
+from pipeline.rundir import list_snapshots, snapshot_name, snapshots_dir
 
 if TYPE_CHECKING:
     import torch
@@ -39,31 +40,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SNAPSHOTS_DIR = "snapshots"
 DONE_MARK = "evaluated.json"
 META_FILE = "snapshot.json"
 WEIGHTS_FILE = "model.safetensors"
 _TMP = ".tmp"
 
 Weights = Sequence[tuple[str, "torch.Tensor"]]
-
-
-def snapshot_name(version: int) -> str:
-    """``v00000042`` for version 42 (zero-padded so names sort by version)."""
-    return f"v{version:08d}"
-
-
-def list_snapshots(root: str | Path) -> list[tuple[int, Path]]:
-    """The complete snapshots under ``root`` as (version, folder), oldest first; ``.tmp`` folders are ignored."""
-    out: list[tuple[int, Path]] = []
-    base = Path(root)
-    if not base.is_dir():
-        return out
-    for p in base.iterdir():
-        name = p.name
-        if p.is_dir() and name.startswith("v") and name[1:].isdigit():
-            out.append((int(name[1:]), p))
-    return sorted(out)
 
 
 def mark_done(folder: str | Path, status: Literal["evaluated", "skipped"]) -> None:
@@ -113,7 +95,7 @@ class SnapshotWriter:
     @classmethod
     def for_run(cls, run_dir: str | Path, model_dir: str | Path, held: HeldoutConfig, version: int) -> SnapshotWriter:
         """The trainer's writer for ``[eval.heldout]``; at version 0 it starts the snapshot of the starting weights."""
-        writer = cls(Path(run_dir) / SNAPSHOTS_DIR, model_dir, every=held.every_versions, keep=held.keep_snapshots,
+        writer = cls(snapshots_dir(run_dir), model_dir, every=held.every_versions, keep=held.keep_snapshots,
                      protect_unevaluated=held.live)
         if version == 0:
             writer.maybe_write(0)

@@ -1,5 +1,6 @@
-"""The warm start's on-disk layout, apart from ``sft.py`` so that asking whether a warm start is finished imports no
-torch. Its ``[warmstart]`` section is ``pipeline.config.warmstart.WarmStartConfig``."""
+"""The warm start's done marker, apart from ``sft.py`` so that asking whether a warm start is finished imports no
+torch. Its folders are ``pipeline.rundir``'s (``warmstart_dir``, ``warmstart_model_dir``); its ``[warmstart]`` section
+is ``pipeline.config.warmstart.WarmStartConfig``."""
 
 from __future__ import annotations
 
@@ -7,29 +8,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-WARMSTART_DIR = "warmstart"
-DONE_FILE = "done.json"
-METRICS_FILE = "warmstart.jsonl"
-
-
-def warmstart_dir(run_dir: Path) -> Path:
-    """Where a run's warm start writes its checkpoint, HF model and done marker."""
-    return Path(run_dir) / WARMSTART_DIR
-
-
-def warmstart_model_dir(run_dir: Path) -> Path:
-    """The warm-started HF model folder (with tokenizer) that engines and trainer start from."""
-    return warmstart_dir(run_dir) / "model"
-
-
-def warmstart_metrics_path(run_dir: Path) -> Path:
-    """The warm start's metrics, one JSON line per ``log_every`` steps."""
-    return Path(run_dir) / "metrics" / METRICS_FILE
+from pipeline.rundir import warmstart_done_path
 
 
 def read_done(run_dir: Path) -> dict[str, Any] | None:
     """The summary a finished warm start left in its done marker, or None if it has not finished."""
-    path = warmstart_dir(run_dir) / DONE_FILE
+    path = warmstart_done_path(run_dir)
     if not path.exists():
         return None
     return dict(json.loads(path.read_text()))

@@ -38,15 +38,16 @@ from pipeline.config.prompts import PromptConfig
 from pipeline.config.run import RunConfig
 from pipeline.config.warmstart import WarmStartConfig
 from pipeline.consumers.rl.schedule import lr_at, set_lr
-from pipeline.consumers.warmstart.config import (
-    DONE_FILE,
-    format_summary,
+from pipeline.consumers.warmstart.config import format_summary
+from pipeline.data.prompts import Prompt, PromptSource, load_jsonl, setup_heldout, setup_prompts
+from pipeline.errors import ConfigError, SluiceError
+from pipeline.rundir import (
+    TMP_SUFFIX,
+    WARMSTART_DONE_FILE,
     warmstart_dir,
     warmstart_metrics_path,
     warmstart_model_dir,
 )
-from pipeline.data.prompts import Prompt, PromptSource, load_jsonl, setup_heldout, setup_prompts
-from pipeline.errors import ConfigError, SluiceError
 
 log = logging.getLogger(__name__)
 
@@ -437,9 +438,9 @@ def _clear_outputs(run_dir: Path) -> Path:
 
 
 def _write_done(out: Path, summary: dict[str, Any]) -> None:
-    tmp = out / (DONE_FILE + ".tmp")
+    tmp = out / (WARMSTART_DONE_FILE + TMP_SUFFIX)
     tmp.write_text(json.dumps(summary, indent=1))
-    os.replace(tmp, out / DONE_FILE)
+    os.replace(tmp, out / WARMSTART_DONE_FILE)
 
 
 def run_warmstart(run_dir: Path, base_model: Path, *, warmstart: WarmStartConfig, prompts: PromptConfig,
