@@ -136,7 +136,7 @@ async def _measure(client: SGLangClient, weights: list[tuple[str, torch.Tensor]]
                    param_bytes: int) -> dict[str, Any]:
     import torch
 
-    from pipeline.sync.pusher import WeightPusher
+    from pipeline.sync.pusher import PushOptions, WeightPusher
 
     await _wait_healthy(client)
     # The reference's buffer, allocated and touched once and resident throughout: one allocated and freed per round
@@ -146,7 +146,8 @@ async def _measure(client: SGLangClient, weights: list[tuple[str, torch.Tensor]]
                       dtype=torch.uint8)
     baseline = _status("VmRSS")  # the weights are resident already; what the push adds is measured from here
     pusher = await WeightPusher.connect([client], master_address="127.0.0.1", backend="gloo", timeout_s=600,
-                                        bucket_bytes=params.bucket_mb * MB, dtype=params.engine_dtype)
+                                        options=PushOptions(bucket_bytes=params.bucket_mb * MB,
+                                                            dtype=params.engine_dtype))
     try:
         await pusher.push(weights, 0)  # warm: connections, the engine's first load, the packer's buffers
         pushes: list[dict[str, Any]] = []

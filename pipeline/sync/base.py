@@ -8,14 +8,18 @@ HTTP client. It states what it needs from an engine as the ``WeightUpdateEngine`
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, TypeAlias, runtime_checkable
 
 from pipeline.errors import SyncError
 
 if TYPE_CHECKING:
     import torch
+
+    from pipeline.sync.lifecycle import Adoption
+    from pipeline.sync.packing import PackedBucket
+    from pipeline.sync.pusher import PushStats
 
 # SGLang names dtypes by their ``torch`` attribute name (it does ``getattr(torch, name)`` on receipt), so these are the
 # strings that travel in ``/update_weights_from_distributed``. Only the dtypes a policy's weights come in are listed.
@@ -198,4 +202,53 @@ class WeightUpdateEngine(Protocol):
 
     async def close(self) -> None:
         """Release the client's connections."""
+        ...
+
+
+WeightSource: TypeAlias = (
+    "Sequence[PackedBucket] | Sequence[tuple[str, torch.Tensor]] | Callable[[], Iterable[tuple[str, torch.Tensor]]]"
+)
+"""What one push attempt may be handed: packed buckets, named tensors, or a call that exports them afresh (an attempt
+that must be made again needs the weights a second time, and an exporter is a one-shot iterator)."""
+
+
+@runtime_checkable
+class WeightPush(Protocol):
+    """What the trainer's rank 0 drives to send its weights: ``WeightPusher`` over one weight group, or
+    ``EngineRotation`` over engines that fail and come back (``pipeline.sync.rotation``). Both have every member, so
+    the trainer never asks which one it holds."""
+
+    @property
+    def engines(self) -> Sequence[WeightUpdateEngine]:
+        """The engines the next push goes to."""
+        ...
+
+    @property
+    def all(self) -> Sequence[WeightUpdateEngine]:
+        """Every engine client this push was given, in the group or not: the ones to close at the end."""
+        ...
+
+    async def push(self, weights: Sequence[PackedBucket] | Sequence[tuple[str, torch.Tensor]],
+                   weight_version: str | int) -> PushStats:
+        """Push every weight to the engines and set their version; raises SyncError when it cannot."""
+        ...
+
+    async def push_once(self, weights: WeightSource, weight_version: str | int) -> PushStats | None:
+        """One attempt; None when it failed because an engine did and the caller should send the weights again."""
+        ...
+
+    def pack(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[PackedBucket]:
+        """Every weight cast and packed now, copied, for a push later."""
+        ...
+
+    async def adopt(self, version: int, *, fresh: bool, model_path: str | None = None) -> list[Adoption]:
+        """Label, reload or hold each engine at the start of a run (``pipeline.sync.lifecycle.adopt_engines``)."""
+        ...
+
+    def counters(self) -> dict[str, float]:
+        """Running totals of the push's trouble, by name (``flush_refused``, ``stalls``): the trainer's metrics."""
+        ...
+
+    async def close(self) -> None:
+        """Have the engines leave the weight group; the engine clients stay open (``all``)."""
         ...

@@ -18,7 +18,15 @@ from typing import Any, TypeVar
 import torch
 
 from pipeline.errors import SyncError
-from pipeline.sync.base import DTYPE_ITEMSIZE, EngineReply, TensorMeta, WeightUpdateEngine, torch_dtype
+from pipeline.sync.base import (
+    DTYPE_ITEMSIZE,
+    EngineReply,
+    TensorMeta,
+    WeightSource,
+    WeightUpdateEngine,
+    torch_dtype,
+)
+from pipeline.sync.lifecycle import Adoption, ManagedEngine, adopt_engines
 from pipeline.sync.packing import FIRST_BUCKET_SHARE, FLAT_FORMAT, BucketPacker, BucketSlots, PackedBucket
 from pipeline.sync.sources import Prepacked, Streamed, exhaust, is_packed
 from pipeline.sync.weights import (
@@ -65,6 +73,31 @@ DEFAULT_STALL_TIMEOUT_S = 120.0
 _SETTLE_TIMEOUT_S = 10.0  # for the ends and continues that clean up after a failed push: none of them takes a lock
 
 
+@dataclass(frozen=True)
+class PushOptions:
+    """How a ``WeightPusher`` packs and sends, the same for each of its pushes (see ``WeightPusher``)."""
+
+    bucket_bytes: int | None = None
+    """Bytes per bucket; None: the backend's default (``DEFAULT_BUCKET_BYTES``)."""
+    dtype: str | None = None
+    """The dtype floats go on the wire in (e.g. "bfloat16": half the bytes for an fp32 trainer); None: their own."""
+    expected: Mapping[str, TensorMeta] | None = None
+    """The engines' parameters: a tensor that does not fit them is refused before anything is sent."""
+    flush_cache: bool = True
+    flat: bool = True
+    """One flat uint8 broadcast per bucket (SGLang's ``flattened_bucket``); False: one per tensor."""
+    zero_copy: bool = True
+    zero_copy_bytes: int | None = None
+    """From how many bytes a tensor in the wire dtype is sent from its own memory (``BucketPacker``)."""
+    stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None:
+            torch_dtype(self.dtype)
+        if self.stall_timeout_s <= 0:
+            raise SyncError(f"stall_timeout_s must be positive, got {self.stall_timeout_s}")
+
+
 class PushStalledError(SyncError):
     """A weight push did not finish within its stall timeout; the message names the step it was waiting for."""
 
@@ -94,39 +127,23 @@ class WeightPusher:
     tokens with the new version while it holds a mix of old and new weights.
     """
 
-    def __init__(
-        self,
-        group: WeightGroup,
-        engines: Sequence[WeightUpdateEngine],
-        *,
-        bucket_bytes: int | None = None,
-        dtype: str | None = None,
-        expected: Mapping[str, TensorMeta] | None = None,
-        flush_cache: bool = True,
-        flat: bool = True,
-        zero_copy: bool = True,
-        zero_copy_bytes: int | None = None,
-        stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
-    ) -> None:
+    def __init__(self, group: WeightGroup, engines: Sequence[WeightUpdateEngine],
+                 options: PushOptions = PushOptions()) -> None:
         if group.rank != 0:
             raise SyncError(f"the pusher must be rank 0 of the weight group, this process is rank {group.rank}")
         if not engines:
             raise SyncError("WeightPusher needs at least one engine")
         self.group = group
         self.engines = list(engines)
-        self.bucket_bytes = bucket_bytes or DEFAULT_BUCKET_BYTES[group.backend]
-        # Casting floats to the engine's dtype (e.g. "bfloat16") halves the bytes on the wire for an fp32 trainer.
-        self.dtype = dtype
-        if dtype is not None:
-            torch_dtype(dtype)
-        self.expected = expected
-        self.flush_cache = flush_cache
-        self.flat = flat
-        self.zero_copy = zero_copy
-        self.zero_copy_bytes = zero_copy_bytes
-        if stall_timeout_s <= 0:
-            raise SyncError(f"stall_timeout_s must be positive, got {stall_timeout_s}")
-        self.stall_timeout_s = stall_timeout_s
+        self.options = options
+        self.bucket_bytes = options.bucket_bytes or DEFAULT_BUCKET_BYTES[group.backend]
+        self.dtype = options.dtype
+        self.expected = options.expected
+        self.flush_cache = options.flush_cache
+        self.flat = options.flat
+        self.zero_copy = options.zero_copy
+        self.zero_copy_bytes = options.zero_copy_bytes
+        self.stall_timeout_s = options.stall_timeout_s
         self.flush_refused = 0
         """Refused flushes over every push of this pusher."""
         self._stage = "idle"  # what the push in progress waits for (named when it stalls)
@@ -146,19 +163,9 @@ class WeightPusher:
         backend: str = "gloo",
         ranks_per_engine: Sequence[int] | None = None,
         timeout_s: float = 300.0,
-        bucket_bytes: int | None = None,
-        dtype: str | None = None,
-        expected: Mapping[str, TensorMeta] | None = None,
-        flush_cache: bool = True,
-        flat: bool = True,
-        zero_copy: bool = True,
-        zero_copy_bytes: int | None = None,
-        stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+        options: PushOptions = PushOptions(),
     ) -> WeightPusher:
-        """Host the weight group and have every engine join it; ``ranks_per_engine`` is each engine's TP size.
-
-        The remaining arguments are the pusher's (see ``__init__``).
-        """
+        """Host the weight group and have every engine join it; ``ranks_per_engine`` is each engine's TP size."""
         ranks = list(ranks_per_engine) if ranks_per_engine is not None else [1] * len(engines)
         if len(ranks) != len(engines) or any(r < 1 for r in ranks):
             raise SyncError(f"ranks_per_engine needs one positive entry per engine, got {ranks} for {len(engines)}")
@@ -185,8 +192,27 @@ class WeightPusher:
         ]
         await _expect_success(engines, joins, "init_weights_update_group")
         group = await asyncio.wait_for(hosting, timeout_s)
-        return cls(group, engines, bucket_bytes=bucket_bytes, dtype=dtype, expected=expected, flush_cache=flush_cache,
-                   flat=flat, zero_copy=zero_copy, zero_copy_bytes=zero_copy_bytes, stall_timeout_s=stall_timeout_s)
+        return cls(group, engines, options)
+
+    @property
+    def all(self) -> list[WeightUpdateEngine]:
+        """The engines of this group: all there are (a rotation also holds engines out of its group)."""
+        return list(self.engines)
+
+    def counters(self) -> dict[str, float]:
+        """Refused prefix-cache flushes over every push (a stall raises here: only a rotation retries and counts
+        them)."""
+        return {"flush_refused": float(self.flush_refused)}
+
+    async def adopt(self, version: int, *, fresh: bool, model_path: str | None = None) -> list[Adoption]:
+        """``adopt_engines`` over the engines that have its endpoints (all of them outside tests)."""
+        managed: list[ManagedEngine] = [e for e in self.engines if hasattr(e, "update_weight_version")]  # type: ignore[misc]
+        return await adopt_engines(managed, version=version, fresh=fresh, model_path=model_path)
+
+    async def push_once(self, weights: WeightSource, weight_version: str | int) -> PushStats | None:
+        """``push``, with a call that exports the weights taken as well; never None, as nothing here is rebuilt to
+        try again (``EngineRotation.push_once`` is)."""
+        return await self.push(weights() if callable(weights) else weights, weight_version)
 
     def packer(self) -> BucketPacker:
         """A packer for one streamed push: this pusher's bucket size (the first bucket a sixteenth of it), wire

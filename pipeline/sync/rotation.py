@@ -19,14 +19,11 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 import torch
 
 from pipeline.errors import SyncError
-from pipeline.sync.base import WeightUpdateEngine
+from pipeline.sync.base import WeightSource, WeightUpdateEngine
 from pipeline.sync.lifecycle import Adoption, ManagedEngine, adopt_engines
 from pipeline.sync.packing import PackedBucket
 from pipeline.sync.pusher import PushStalledError, PushStats, WeightPusher
 from pipeline.sync.sources import exhaust
-
-WeightSource = (Sequence[PackedBucket] | Sequence[tuple[str, torch.Tensor]]
-                | Callable[[], Iterable[tuple[str, torch.Tensor]]])
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +138,10 @@ class EngineRotation:
         """Engine prefix-cache flushes refused over every push of this run's trainer process."""
         current = self.pusher.flush_refused if self.pusher is not None else 0
         return self._flush_refused_before + current
+
+    def counters(self) -> dict[str, float]:
+        """Refused prefix-cache flushes and pushes abandoned as stalled, over this process's run."""
+        return {"flush_refused": float(self.flush_refused), "stalls": float(self.stalls)}
 
     def pack(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[PackedBucket]:
         """The weights packed for the current group's wire dtype, to push later (``WeightPusher.pack``)."""

@@ -223,9 +223,11 @@ def test_filter_weights_reach_the_train_step_and_the_step_metrics(queue: SampleQ
     import torch
 
     from pipeline.consumers.megatron import checkpoint
-    from pipeline.consumers.trainer.loop import RedisClock, Trainer, TrainerSettings
+    from pipeline.consumers.trainer.loop import RankZero, RedisClock, Trainer, TrainerSettings
 
     class Recording:
+        policy_version: int | None = None
+
         def __init__(self) -> None:
             self.calls: list[tuple[list[float], list[float] | None]] = []
 
@@ -255,8 +257,8 @@ def test_filter_weights_reach_the_train_step_and_the_step_metrics(queue: SampleQ
                                       run_dir=run_dir, overlap_push=False),
                       model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), step_fn=step_fn,
                       export_weights=lambda: iter([("w", model.weight.detach().clone())]),
-                      source=Drainer(queue, Ledger(run_dir / "ledger"), FRESH, filters=cfg, block_ms=10),
-                      clock=RedisClock(queue), ledger=Ledger(run_dir / "ledger"))
+                      lead=RankZero(source=Drainer(queue, Ledger(run_dir / "ledger"), FRESH, filters=cfg, block_ms=10),
+                                    clock=RedisClock(queue), ledger=Ledger(run_dir / "ledger")))
     try:
         trainer.train()
     finally:

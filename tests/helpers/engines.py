@@ -20,7 +20,7 @@ from aiohttp import web
 
 from pipeline.net import free_port
 from pipeline.producers.sglang_client import NO_RETRY, SGLangClient
-from pipeline.sync.pusher import WeightPusher
+from pipeline.sync.pusher import PushOptions, WeightPusher
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -113,13 +113,13 @@ class ServedEngine:
 
 
 @asynccontextmanager
-async def pushing(url: str, client: SGLangClient | None = None, **pusher_args: Any
+async def pushing(url: str, client: SGLangClient | None = None, options: PushOptions | None = None
                   ) -> AsyncIterator[tuple[SGLangClient, WeightPusher]]:
     """A client of the engine at ``url`` (or the one given) and a pusher connected to it over gloo; both closed
     after."""
     client = client or SGLangClient(url, retry=NO_RETRY)
     pusher = await WeightPusher.connect([client], master_address="127.0.0.1", backend="gloo", timeout_s=60,
-                                        **pusher_args)
+                                        options=options or PushOptions())
     try:
         yield client, pusher
     finally:

@@ -189,7 +189,7 @@ def test_weight_push_changes_version_and_greedy_output(engine: EngineProcess, mo
     from safetensors.torch import load_file
 
     from pipeline.models.tiny import init_tiny_model
-    from pipeline.sync.pusher import WeightPusher
+    from pipeline.sync.pusher import PushOptions, WeightPusher
 
     original = load_file(str(model_dir / "model.safetensors"))
     other = load_file(str(init_tiny_model("qwen3-moe", tmp_path / "other", seed=1) / "model.safetensors"))
@@ -203,7 +203,7 @@ def test_weight_push_changes_version_and_greedy_output(engine: EngineProcess, mo
             before = await client.generate(prompt, GREEDY)
             pusher = await WeightPusher.connect(
                 [client], master_address="127.0.0.1", master_port=free_port(), group_name="client-test",
-                timeout_s=60, bucket_bytes=64 * 1024,
+                timeout_s=60, options=PushOptions(bucket_bytes=64 * 1024),
             )  # fmt: skip
             try:
                 # A long generation straddles the push: its spans must show both versions, old then new.

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from pipeline.errors import EngineError, SyncError
 from pipeline.models.tiny import init_tiny_model
 from pipeline.producers.sglang_client import NO_RETRY, SGLangClient
-from pipeline.sync.pusher import WeightPusher
+from pipeline.sync.pusher import PushOptions, WeightPusher
 from pipeline.sync.rotation import EngineRotation
 from tests.helpers.engines import start_engine
 
@@ -163,7 +163,7 @@ def test_an_engine_killed_inside_a_push_leaves_the_rotation_and_the_push_lands_o
     async def connect(members: list) -> WeightPusher:
         # Small buckets: the push streams many of them, so the kill lands between its first and its last.
         return await WeightPusher.connect(members, master_address="127.0.0.1", backend="gloo", timeout_s=60,
-                                          bucket_bytes=64 * 1024)
+                                          options=PushOptions(bucket_bytes=64 * 1024))
 
     async def main() -> None:
         dying = _DiesAtBucket(b.url, b, bucket=2)

@@ -26,7 +26,7 @@ from pipeline.models.tiny import init_tiny_model
 from pipeline.producers.cpu_engine.update_turns import UpdateTurns
 from pipeline.producers.sglang_client import NO_RETRY, SGLangClient
 from pipeline.sync.packing import FLAT_FORMAT
-from pipeline.sync.pusher import WeightPusher
+from pipeline.sync.pusher import PushOptions, WeightPusher
 from tests.helpers.engines import RecordingImpl, ServedEngine, pushing
 
 KB = 1 << 10
@@ -158,7 +158,7 @@ def test_the_pusher_announces_ahead_only_to_engines_that_take_announcements_in_o
     async def scenario() -> tuple[list[tuple[str, int]], list[int | None], int, str]:
         client = _TimedClient(engine.url, retry=NO_RETRY)
         client.events, client.says_ordered, client.indexed = [], ordered, []
-        async with pushing(engine.url, client, bucket_bytes=16 * KB) as (_, pusher):
+        async with pushing(engine.url, client, PushOptions(bucket_bytes=16 * KB)) as (_, pusher):
             stats = None
             for version in (1, 2):
                 stats = await pusher.push(weights, version)
@@ -189,7 +189,7 @@ def test_a_tensor_the_packer_refuses_after_buckets_went_ahead_fails_the_push_and
         yield weights[0]  # a name twice: refused by the packer, several buckets into the push
 
     async def scenario() -> tuple[str, str | None, str]:
-        async with pushing(engine.url, bucket_bytes=16 * KB) as (client, pusher):
+        async with pushing(engine.url, options=PushOptions(bucket_bytes=16 * KB)) as (client, pusher):
             with pytest.raises(Exception) as failed:
                 await asyncio.wait_for(pusher.push(exporter(), 1), 60)
             broken = pusher.group.broken
@@ -301,7 +301,7 @@ def test_the_pusher_starts_the_next_buckets_broadcasts_while_the_one_before_is_o
     async def scenario() -> tuple[list[list[str]], list[str], str]:
         client = _Calls(model.url, retry=NO_RETRY)
         client.calls, client.announced = [], []
-        async with pushing(model.url, client, bucket_bytes=2 << 20, zero_copy_bytes=1 << 20) as (_, pusher):
+        async with pushing(model.url, client, PushOptions(bucket_bytes=2 << 20, zero_copy_bytes=1 << 20)) as (_, pusher):
             pusher.group._impl = RecordingImpl(pusher.group._impl, events)
             await pusher.push(weights, 1)
             first = len(client.calls)

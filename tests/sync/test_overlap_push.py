@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import torch
 
 from pipeline.consumers.trainer.drain import Batch
 from pipeline.consumers.trainer.ledger import Ledger
-from pipeline.consumers.trainer.loop import LocalClock, Trainer, TrainerSettings
+from pipeline.consumers.trainer.loop import LocalClock, RankZero, Trainer, TrainerSettings
 from pipeline.queue.sample import Sample, SamplingInfo
 
 STEP_S = 0.15
@@ -55,6 +56,8 @@ class _Source:
 
 
 class _TimedStep:
+    policy_version: int | None = None
+
     def __init__(self) -> None:
         self.intervals: list[tuple[float, float]] = []
 
@@ -75,6 +78,7 @@ class _TimedPusher:
     """Stands in for the engines: each push takes PUSH_S and is recorded with the version it carried."""
 
     engines: list[Any] = []
+    all: list[Any] = []
 
     def __init__(self) -> None:
         self.pushes: list[tuple[int, float, float]] = []
@@ -83,6 +87,19 @@ class _TimedPusher:
         start = time.monotonic()
         await asyncio.sleep(PUSH_S)
         self.pushes.append((version, start, time.monotonic()))
+
+    async def push_once(self, weights: Callable[[], Iterable[tuple[str, torch.Tensor]]], version: int) -> bool:
+        await self.push(list(weights()), version)
+        return True
+
+    def pack(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        return [(name, tensor.detach().clone()) for name, tensor in named_tensors]
+
+    async def adopt(self, version: int, *, fresh: bool, model_path: str | None = None) -> list[Any]:
+        return []
+
+    def counters(self) -> dict[str, float]:
+        return {}
 
     async def close(self) -> None:
         pass
@@ -107,7 +124,7 @@ def _run(tmp_path: Path, overlap: bool, monkeypatch: pytest.MonkeyPatch) -> dict
                                overlap_push=overlap)
     trainer = Trainer(settings, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                       step_fn=step_fn, export_weights=lambda: iter([("w", model.weight.detach().clone())]),
-                      source=source, clock=clock, ledger=Ledger(run_dir / "ledger"), pusher=pusher)
+                      lead=RankZero(source=source, clock=clock, ledger=Ledger(run_dir / "ledger"), pusher=pusher))
     start = time.monotonic()
     try:
         trainer.train()

@@ -26,11 +26,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline.consumers.trainer.loop import RedisClock, Trainer, TrainerSettings
+from pipeline.consumers.trainer.ledger import Ledger
+from pipeline.consumers.trainer.loop import RankZero, RedisClock, Trainer, TrainerSettings
 from pipeline.models.tiny import init_tiny_model
 from pipeline.producers.sglang_client import NO_RETRY, SGLangClient
 from pipeline.queue.redis_streams import SampleQueue
-from pipeline.sync.pusher import WeightPusher
+from pipeline.sync.pusher import PushOptions, WeightPusher
 from pipeline.sync.rotation import EngineRotation
 from tests.helpers.engines import start_engine
 
@@ -42,6 +43,8 @@ LOGPROB_ATOL = 1e-4  # fp32 engine vs an fp32 reference: rounding of differently
 
 class _Unused:
     """The trainer's source and step, which a push never touches."""
+
+    policy_version: int | None = None
 
     def recover(self) -> None: ...
 
@@ -100,7 +103,7 @@ def test_a_push_mid_generation_pauses_in_place_and_every_token_matches_its_versi
         async def connect(members: list[Any]) -> WeightPusher:
             # 16 KB buckets: the tiny model takes dozens, so without a pause decode steps would run between them.
             return await WeightPusher.connect(members, master_address="127.0.0.1", backend="gloo", timeout_s=60,
-                                              bucket_bytes=16 * 1024)
+                                              options=PushOptions(bucket_bytes=16 * 1024))
 
         rotation = loop.run_until_complete(EngineRotation.start(clients, connect))
         model = torch.nn.Linear(1, 1)
@@ -108,7 +111,9 @@ def test_a_push_mid_generation_pauses_in_place_and_every_token_matches_its_versi
             TrainerSettings(steps=1, batch_groups=1, checkpoint_every=1, keep_checkpoints=1, run_dir=tmp_path / "run",
                             overlap_push=False),
             model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), step_fn=_Unused(),  # type: ignore[arg-type]
-            export_weights=lambda: iter(weights), source=None, clock=clock, ledger=None, pusher=rotation, loop=loop,
+            export_weights=lambda: iter(weights), loop=loop,
+            lead=RankZero(source=_Unused(), clock=clock, ledger=Ledger(tmp_path / "run" / "ledger"),  # type: ignore[arg-type]
+                          pusher=rotation),
         )
 
     async def scenario() -> tuple[list[Any], Any]:

@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 from pipeline.models.tiny import init_tiny_model
 from pipeline.producers.sglang_client import NO_RETRY, SGLangClient
-from pipeline.sync.pusher import WeightPusher
+from pipeline.sync.pusher import PushOptions, WeightPusher
 from tests.helpers.engines import start_engine
 
 pytestmark = pytest.mark.slow
@@ -65,7 +65,7 @@ def _measure(model_dir: Path, tmp_path: Path, snapshot: bool) -> dict[str, int]:
     async def push() -> Any:
         client = SGLangClient(engine.url, retry=NO_RETRY)
         pusher = await WeightPusher.connect([client], master_address="127.0.0.1", backend="gloo", timeout_s=120,
-                                            bucket_bytes=BUCKET)
+                                            options=PushOptions(bucket_bytes=BUCKET))
         try:
             await pusher.push(weights[:1], 1)  # warm up connections and buffers outside the measurement
             Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS to the current RSS

@@ -16,7 +16,7 @@ import torch
 
 from pipeline.net import free_port
 from pipeline.sync.base import EngineReply
-from pipeline.sync.pusher import PushStalledError, WeightPusher
+from pipeline.sync.pusher import PushOptions, PushStalledError, WeightPusher
 from pipeline.sync.rotation import EngineRotation
 from pipeline.sync.weights import init_weight_group
 
@@ -70,7 +70,7 @@ def _weights() -> list[tuple[str, torch.Tensor]]:
 def _pusher(engine: _StallingEngine, stall_timeout_s: float) -> WeightPusher:
     # A group of rank 0 alone: the broadcasts complete locally, so only the engine's HTTP answers can stall.
     group = init_weight_group("127.0.0.1", free_port(), 0, 1, f"stall-{time.monotonic_ns()}", timeout_s=10)
-    return WeightPusher(group, [engine], stall_timeout_s=stall_timeout_s)
+    return WeightPusher(group, [engine], PushOptions(stall_timeout_s=stall_timeout_s))
 
 
 @pytest.mark.parametrize("stall_on", ["pause", "begin"])
@@ -124,6 +124,6 @@ def test_stall_timeout_must_be_positive() -> None:
     group = init_weight_group("127.0.0.1", free_port(), 0, 1, "stall-bad", timeout_s=10)
     try:
         with pytest.raises(Exception, match="stall_timeout_s"):
-            WeightPusher(group, [_StallingEngine(None)], stall_timeout_s=0)
+            WeightPusher(group, [_StallingEngine(None)], PushOptions(stall_timeout_s=0))
     finally:
         group.close()

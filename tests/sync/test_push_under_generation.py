@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from pipeline.producers.sglang_client import SGLangClient
-from pipeline.sync.pusher import WeightPusher
+from pipeline.sync.pusher import PushOptions, WeightPusher
 from tests.helpers.engines import EngineProcess, free_port, start_engine
 
 LONG = {"max_new_tokens": 600, "temperature": 0.0, "ignore_eos": True}
@@ -50,7 +50,8 @@ class _SlowPauseClient(SGLangClient):
 
 async def _sglang_like(client: SGLangClient) -> WeightPusher:
     pusher = await WeightPusher.connect([client], master_address="127.0.0.1", master_port=free_port(),
-                                        group_name=f"order-{free_port()}", timeout_s=60, stall_timeout_s=30)
+                                        group_name=f"order-{free_port()}", timeout_s=60,
+                                        options=PushOptions(stall_timeout_s=30))
     pusher._ordered = False  # noqa: SLF001 - every push takes SGLang's path: one announcement at a time
     return pusher
 

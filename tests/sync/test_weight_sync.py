@@ -24,7 +24,7 @@ from pipeline.errors import SyncError
 from pipeline.net import free_port
 from pipeline.sync.base import EngineReply, TensorMeta, check_announcement, meta_of, validate_metas
 from pipeline.sync.packing import BucketPacker
-from pipeline.sync.pusher import WeightPusher
+from pipeline.sync.pusher import PushOptions, WeightPusher
 from pipeline.sync.weights import (
     BROADCAST_WINDOW,
     GLOO_THREADS,
@@ -337,7 +337,7 @@ def test_pusher_rejects_before_any_announcement_or_broadcast(case: str) -> None:
     group = init_weight_group("127.0.0.1", free_port(), 0, 1, "solo", timeout_s=10)
     engine = _RecordingEngine()
     expected = {"w": TensorMeta("w", "float32", (4, 4))}
-    pusher = WeightPusher(group, [engine], expected=expected)
+    pusher = WeightPusher(group, [engine], PushOptions(expected=expected))
     tensors = {
         "shape_mismatch": [("w", torch.zeros(4, 5))],
         "unknown_name": [("w", torch.zeros(4, 4)), ("extra", torch.zeros(1))],
@@ -435,7 +435,7 @@ def test_push_mixed_dtypes_to_two_receivers_is_bit_identical(tmp_path: Path) -> 
         try:
             pusher = await WeightPusher.connect(
                 engines, master_address="127.0.0.1", master_port=free_port(), group_name="mixed",
-                timeout_s=60, bucket_bytes=20_000,
+                timeout_s=60, options=PushOptions(bucket_bytes=20_000),
             )  # fmt: skip
             stats = await pusher.push(tensors, weight_version=7)
             for i, engine in enumerate(engines):
@@ -479,7 +479,7 @@ def test_push_casts_to_engine_dtype(tmp_path: Path) -> None:
         try:
             pusher = await WeightPusher.connect(
                 [engine], master_address="127.0.0.1", master_port=free_port(), group_name="cast", timeout_s=60,
-                dtype="bfloat16",
+                options=PushOptions(dtype="bfloat16"),
             )  # fmt: skip
             await pusher.push(tensors, weight_version="v1")
             await engine.dump(tmp_path / "recv.safetensors")

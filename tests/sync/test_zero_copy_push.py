@@ -31,7 +31,7 @@ from pipeline.models.tiny import init_tiny_model
 from pipeline.producers.sglang_client import NO_RETRY, SGLangClient
 from pipeline.sync.base import EngineReply
 from pipeline.sync.packing import ZERO_COPY_MIN_BYTES, BucketPacker, BucketSlots
-from pipeline.sync.pusher import WeightPusher
+from pipeline.sync.pusher import PushOptions, WeightPusher
 from pipeline.sync.sources import Streamed
 from tests.helpers.engines import ServedEngine, pushing
 from tests.sync.test_push_consistency import PROMPT, _reference_logprobs
@@ -368,7 +368,7 @@ def test_a_push_sends_large_tensors_zero_copy_and_a_paused_engine_receives_them_
         client = _RecordingClient(served.url, retry=NO_RETRY)
         client.announced, client.formats = [], []
         pusher = await WeightPusher.connect([client], master_address="127.0.0.1", backend="gloo", timeout_s=60,
-                                            bucket_bytes=64 * KB, zero_copy_bytes=threshold)
+                                            options=PushOptions(bucket_bytes=64 * KB, zero_copy_bytes=threshold))
         send = pusher.group.issue
 
         def recording(tensors: list[torch.Tensor], src: int = 0, **kw: Any) -> Any:
@@ -539,7 +539,7 @@ def test_a_bucket_that_fails_to_load_keeps_the_label_though_a_later_bucket_carri
     served.engine.weights.apply = failing  # type: ignore[method-assign]
 
     async def scenario() -> tuple[str, str, int]:
-        async with pushing(served.url, bucket_bytes=64 * KB, zero_copy=False) as (client, pusher):
+        async with pushing(served.url, options=PushOptions(bucket_bytes=64 * KB, zero_copy=False)) as (client, pusher):
             with pytest.raises(SyncError, match="loading a received bucket failed"):
                 await pusher.push(weights, 7)
             failed = str(await client.weight_version())
@@ -590,7 +590,7 @@ def test_an_engine_that_refuses_begin_leaves_no_other_engines_window_open(tmp_pa
         opener, refuser = _RecordingBegin(served[0].url, retry=NO_RETRY), _RefusingBegin(served[1].url, retry=NO_RETRY)
         opener.begun = []
         pusher = await WeightPusher.connect([opener, refuser], master_address="127.0.0.1", backend="gloo",
-                                            timeout_s=60, bucket_bytes=64 * KB)
+                                            timeout_s=60, options=PushOptions(bucket_bytes=64 * KB))
         try:
             with pytest.raises(SyncError, match="refuses the update window"):
                 await pusher.push(weights, 1)
@@ -652,7 +652,7 @@ def test_a_push_flushes_only_engines_that_may_keep_a_prefix_cache_and_asks_once(
     async def pushes(says: bool | BaseException | None, count: int) -> tuple[list[str], str]:
         client = _RecordingControl(served.url, retry=NO_RETRY)
         client.calls, client.says = [], says
-        async with pushing(served.url, client, bucket_bytes=64 * KB) as (_, pusher):
+        async with pushing(served.url, client, PushOptions(bucket_bytes=64 * KB)) as (_, pusher):
             for version in range(1, count + 1):
                 await pusher.push(weights, version)
             return client.calls, await client.weight_version()
@@ -703,7 +703,7 @@ def test_the_first_bucket_goes_out_once_a_sixteenth_of_a_bucket_is_packed(tmp_pa
     async def scenario() -> int:
         client = _Announcing(served.url, retry=NO_RETRY)
         client.events = events
-        async with pushing(served.url, client, bucket_bytes=2 * total) as (_, pusher):
+        async with pushing(served.url, client, PushOptions(bucket_bytes=2 * total)) as (_, pusher):
             stats = await pusher.push(exporter(), 1)
             return stats.buckets
 
@@ -764,7 +764,7 @@ def test_the_first_bucket_is_packed_while_the_engines_pause_and_the_window_opens
         client.events = events
         # The CPU engine takes announcements in order: from the second push on, bucket 0 brings the pause and the
         # window itself; the first push is the one that asks the engine, and pauses and opens as SGLang needs.
-        async with pushing(served.url, client, bucket_bytes=64 * KB) as (_, pusher):
+        async with pushing(served.url, client, PushOptions(bucket_bytes=64 * KB)) as (_, pusher):
             await pusher.push(exporter(), 1)
             return await client.weight_version(), served.engine.scheduler.paused
 

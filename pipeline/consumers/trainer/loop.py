@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
 import torch
@@ -32,19 +32,27 @@ from pipeline.consumers.trainer.drain import Batch
 from pipeline.consumers.trainer.hooks import HookRunner
 from pipeline.consumers.trainer.ledger import Ledger, LedgerLine
 from pipeline.consumers.trainer.profiling import StepProfiler
+from pipeline.consumers.trainer.push import PushSteps, close_pusher
 from pipeline.consumers.trainer.staleness import lag_histogram
-from pipeline.errors import SyncError
 from pipeline.queue.codec import decode_samples, encode_samples
 from pipeline.queue.redis_streams import RESUME_EVENT, SampleQueue
 from pipeline.queue.sample import Sample
 from pipeline.rundir import checkpoint_name, checkpoints_dir, latest_checkpoint, trainer_metrics_path
-from pipeline.sync.packing import PackedBucket
+from pipeline.sync.base import WeightPush
+
+if TYPE_CHECKING:
+    from pipeline.consumers.trainer.snapshots import SnapshotWriter
+    from pipeline.metrics import Sinks
 
 log = logging.getLogger(__name__)
 
 
 class StepFn(Protocol):
     """One optimizer step on this rank's share of prompt groups; returns metrics."""
+
+    policy_version: int | None
+    """Set before each step: the version the engines sample with on rank 0, None on the others (they never learn
+    one), so that only rank 0's share is measured for the lag-0 mismatch."""
 
     def step(self, groups: list[list[Sample]]) -> dict[str, float]: ...
     # Called as step(groups, weights=[...]) (one group-filter weight per group) when a filter reweighted a group.
@@ -161,7 +169,23 @@ class TrainerSettings:
     profile_steps: tuple[int, int] | None = None
 
 
-class Trainer:
+@dataclass
+class RankZero:
+    """What rank 0 alone holds; the other ranks get their share of each batch and each decision from it (``_share``)."""
+
+    source: BatchSource
+    clock: VersionClock
+    ledger: Ledger
+    pusher: WeightPush | None = None
+    """None: no engines to push to (offline replay)."""
+    snapshots: SnapshotWriter | None = None
+    """Set when held-out evaluation is on."""
+    scalars: Sinks | None = None
+    """TensorBoard (and W&B) mirror of the metrics lines (``pipeline.metrics``)."""
+    hooks: HookRunner | None = None
+
+
+class Trainer(PushSteps):
     """The driver loop and its step methods. Collective: every rank constructs one and calls ``train``."""
 
     def __init__(
@@ -172,27 +196,19 @@ class Trainer:
         optimizer: torch.optim.Optimizer,
         step_fn: StepFn,
         export_weights: Any,
-        source: BatchSource | None,
-        clock: VersionClock | None,
-        ledger: Ledger | None,
-        pusher: Any | None = None,
+        lead: RankZero | None,
         loop: asyncio.AbstractEventLoop | None = None,
         dp_rank: int = 0,
         dp_size: int = 1,
-        snapshots: Any | None = None,
-        scalars: Any | None = None,
-        hooks: HookRunner | None = None,
     ) -> None:
         self.s = settings
         self.model, self.optimizer, self.step_fn = model, optimizer, step_fn
         self.export_weights = export_weights
-        # Rank 0 alone holds the source, clock and ledger; the other ranks get what they need from it.
-        self.source, self.clock, self.ledger, self.pusher = source, clock, ledger, pusher
         self.rank = dist.get_rank() if dist.is_initialized() else 0
+        if (lead is not None) != (self.rank == 0):
+            raise ValueError(f"rank 0 alone holds the RankZero collaborators; this is rank {self.rank}")
+        self.lead = lead
         self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.snapshots = snapshots  # a SnapshotWriter on rank 0 when held-out evaluation is on
-        self.scalars = scalars  # rank 0's TensorBoard (and W&B) mirror of the metrics lines (pipeline.metrics)
-        self.hooks = hooks  # rank 0's user hooks (pipeline.consumers.trainer.hooks)
         self.profiler = StepProfiler(settings.profile_steps, settings.run_dir, self.rank)
         self.ckpt_root = checkpoints_dir(settings.run_dir)
         self.metrics_path = trainer_metrics_path(settings.run_dir)
@@ -262,56 +278,59 @@ class Trainer:
             checkpoint_version = int(meta.get("policy_version", 0))
             if "train_step" in meta:
                 self.step_fn.load_state_dict(meta["train_step"])
-        if self.rank == 0:
-            assert self.ledger is not None and self.source is not None and self.clock is not None
-            self.ledger.load(self.step if latest is not None else -1)
-            recovery = self.source.recover()
-            self.version = self._resume_version(checkpoint_version)
+        if (lead := self.lead) is not None:
+            lead.ledger.load(self.step if latest is not None else -1)
+            recovery = lead.source.recover()
+            self.version = self._resume_version(lead.clock, checkpoint_version)
             # A trainer that started before in this run may have died in the middle of its first push, before any
             # checkpoint or version: the engines then hold a mix of old and new weights, still labelled 0, and must
             # be held and re-synced like a resumed run's, not kept.
-            fresh = latest is None and self.version == 0 and not self.clock.started_before()
+            fresh = latest is None and self.version == 0 and not lead.clock.started_before()
             # A resumed run's engines may hold weights trained on data this checkpoint has not seen, and engines
             # sluice did not start may hold another run's: give them ours before they serve (sync.lifecycle).
-            held = self._adopt_engines(fresh)
+            held = self._adopt_engines(lead.pusher, fresh)
             needs_resync = not fresh or held > 0
             if needs_resync:
                 # The resync push below is version self.version + 1, and it holds the restored weights: the
                 # checkpoint's version, or 0 (the starting weights). Samples are judged by their distance from those,
                 # not by the counter (docs/versions.md).
-                self.clock.restored(self.version + 1, checkpoint_version)
-            self.clock.event(RESUME_EVENT, step=self.step, version=self.version, recovered=str(recovery), held=held)
+                lead.clock.restored(self.version + 1, checkpoint_version)
+            lead.clock.event(RESUME_EVENT, step=self.step, version=self.version, recovered=str(recovery), held=held)
         else:
             needs_resync = False
         needs_resync = bool(self._share({"resync": needs_resync})["resync"])
         if needs_resync:
             self.push_weights(background=False)
 
-    def _resume_version(self, checkpoint_version: int) -> int:
+    def _resume_version(self, clock: VersionClock, checkpoint_version: int) -> int:
         """max(Redis, checkpoint): the version never goes back, even when Redis lost what the checkpoint kept. The
         resync push that follows sends ``version + 1`` and raises Redis to it (``RedisClock.advance``)."""
-        assert self.clock is not None
-        counter = self.clock.get()
+        counter = clock.get()
         if checkpoint_version > counter:
             log.warning("the policy version in Redis (%d) is behind the checkpoint's (%d): Redis lost its last writes "
                         "(appendfsync everysec, or a restore). The run continues from %d, and the next push brings "
                         "Redis and every engine past it", counter, checkpoint_version, checkpoint_version)
         return max(counter, checkpoint_version)
 
-    def _adopt_engines(self, fresh: bool) -> int:
+    def _adopt_engines(self, pusher: WeightPush | None, fresh: bool) -> int:
         """Label, reload or hold each engine as ``pipeline.sync.lifecycle`` says; returns how many are held."""
-        adopt = getattr(self.pusher, "adopt", None)
-        if adopt is None:
+        if pusher is None:
             return 0
-        adoptions = self._loop.run_until_complete(adopt(self.version, fresh=fresh))
+        adoptions = self._loop.run_until_complete(pusher.adopt(self.version, fresh=fresh))
         return sum(a.action == "held" for a in adoptions)
 
     def drain(self) -> Batch | None:
         """Rank 0 reads a batch; every rank gets its data-parallel share. None means stop."""
         batch: Batch | None = None
-        if self.rank == 0:
-            assert self.source is not None and self.clock is not None
-            batch = self.source.next_batch(self.s.batch_groups, self.step, self._drain_version,
+        if (lead := self.lead) is not None:
+            clock = lead.clock
+
+            def version() -> int:
+                # While a push is in flight its engines may already sample with the new weights before the clock
+                # moves: judge against the version being pushed, so no token can look newer than the trainer.
+                return max(self.version, clock.get())
+
+            batch = lead.source.next_batch(self.s.batch_groups, self.step, version,
                                            should_stop=lambda: self._stop_requested)
             # Rank 0's own request decides here, and the broadcast below tells every rank, so they stop together.
             if len(batch.groups) < max(self.dp_size, 1) or (self._stop_requested
@@ -337,10 +356,7 @@ class Trainer:
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         start = time.perf_counter()
-        if hasattr(self.step_fn, "policy_version"):
-            # Only rank 0 follows the pushes (the others never learn a version), so only its share of the batch
-            # is measured for the lag-0 mismatch.
-            self.step_fn.policy_version = self.version if self.rank == 0 else None
+        self.step_fn.policy_version = self.version if self.rank == 0 else None
         weights = batch.weights()
         # Weights only when a filter reweighted a group, so a step function without the argument still works.
         metrics = dict(self.step_fn.step(batch.groups) if weights is None
@@ -348,129 +364,14 @@ class Trainer:
         metrics["time/step_s"] = time.perf_counter() - start
         return metrics
 
-    def push_weights(self, *, background: bool | None = None) -> None:
-        """Send the new weights to every engine; the policy version advances once every engine confirmed (rank 0).
-
-        Two ways (docs/weight-push.md). **Streamed** (``overlap_push`` off): every rank walks the exporter while rank 0
-        casts, packs and sends one bucket at a time, so rank 0 holds about two buckets, never the model; the next
-        step waits for it. **Snapshot** (``overlap_push`` on, or a held-out snapshot is due): the weights are packed
-        into wire-dtype buckets now (the model in the engines' dtype), and sent in a thread while the next batch is
-        drained and trained, which the snapshot makes safe. Pushes never overlap each other, and a commit or the end
-        of the run waits for the one in flight.
-        """
-        self.finish_push()
-        overlap = self.s.overlap_push if background is None else background
-        final = self.step >= self.s.steps or self._stop
-        version = self.version + 1  # the version being pushed; the clock follows once the engines have it
-        streamed = (not overlap and hasattr(self.pusher, "push_once")
-                    and not (self.snapshots is not None and self.snapshots.due(version, final)))
-        if self._distributed:
-            streamed = bool(self._share({"streamed": streamed})["streamed"])  # rank 0 decides for every rank
-        if streamed:
-            self._stream_push(version, final)
-            return
-        weights = self._snapshot()  # collective: every rank iterates; only rank 0 gets tensors
-        if self.rank != 0:
-            return
-        self.version = version
-        if overlap:
-            self._push_thread = threading.Thread(target=self._send, args=(weights, version, self.step, final),
-                                                 name="weight-push", daemon=True)
-            self._push_thread.start()
-        else:
-            self._send(weights, version, self.step, final)
-            self.finish_push()
-
-    def _push_counters(self) -> dict[str, float]:
-        """Running totals of the push's trouble: engines that kept their prefix cache after a push (SGLang refuses a
-        flush while requests are paused in place) and pushes abandoned as stalled."""
-        return {f"sync/{key}": float(getattr(self.pusher, key)) for key in ("flush_refused", "stalls")
-                if hasattr(self.pusher, key)}
-
-    def _snapshot(self) -> list[Any]:
-        """The weights as they are now, safe from the next optimizer step: packed in the wire dtype when the pusher
-        packs (less memory, no second packing), else cloned."""
-        pack = getattr(self.pusher, "pack", None)
-        if pack is not None:
-            return list(pack(self.export_weights()))
-        return [(name, tensor.detach().clone()) for name, tensor in self.export_weights()]
-
-    def _stream_push(self, version: int, final: bool) -> None:
-        """The streamed push, collective. An attempt that failed because an engine did (the rotation rebuilt its
-        group) is made again by every rank together, since only they together can export the weights again."""
-        start = time.perf_counter()
-        error: BaseException | None = None
-        for _attempt in range(3):
-            again = False
-            if self.rank == 0:
-                try:
-                    again = self._loop.run_until_complete(self.pusher.push_once(self.export_weights, version)) is None
-                except BaseException as exc:  # raised below, once the other ranks were told to stop
-                    error = exc
-            else:
-                for _ in self.export_weights():
-                    pass
-            if self._distributed:
-                again = bool(self._share({"again": again})["again"])
-            if not again:
-                break
-        else:
-            error = error or SyncError(f"weight push {version} failed three times on engines that failed")
-        if self.rank != 0:
-            return
-        if error is not None:
-            raise error
-        self.version = version
-        self._confirmed(version, self.step, final, start, None)
-
-    def _send(self, weights: list[Any], version: int, step: int, final: bool) -> None:
-        start = time.perf_counter()
-        try:
-            if self.pusher is not None:
-                self._loop.run_until_complete(self.pusher.push(weights, version))
-            self._confirmed(version, step, final, start, weights)
-        except BaseException as exc:  # re-raised on the trainer's thread by finish_push
-            self._push_error = exc
-
-    def _confirmed(self, version: int, step: int, final: bool, start: float, weights: list[Any] | None) -> None:
-        """Every engine has ``version``: only now does the clock advance. A replay clock may have jumped ahead to a
-        version seen in the data; the trainer follows it."""
-        assert self.clock is not None
-        version = self.clock.advance(at_least=version)
-        self.version = max(self.version, version)
-        if self.snapshots is not None and weights is not None:
-            named = [t for b in weights for t in b.tensors()] if weights and isinstance(weights[0], PackedBucket) \
-                else weights
-            self.snapshots.maybe_write(version, named, final=final)
-        self.clock.event("weight_push", version=version, step=step, seconds=round(time.perf_counter() - start, 4),
-                         engines=0 if self.pusher is None else len(self.pusher.engines))
-
-    def finish_push(self) -> float:
-        """Wait for the push in flight (re-raising its error); returns the seconds waited."""
-        start = time.perf_counter()
-        if self._push_thread is not None:
-            self._push_thread.join()
-            self._push_thread = None
-        error, self._push_error = self._push_error, None
-        if error is not None:
-            raise error
-        return time.perf_counter() - start
-
-    def _drain_version(self) -> int:
-        # While a push is in flight its engines may already sample with the new weights before the clock moves:
-        # judge against the version being pushed, so no token can look newer than the trainer.
-        assert self.clock is not None
-        return max(self.version, self.clock.get())
-
     def record(self, batch: Batch, metrics: dict[str, float]) -> None:
-        if self.rank != 0:
+        if (lead := self.lead) is None:
             return
-        assert self.ledger is not None
         full = self._rank0_batch
         assert full is not None
         trained = [LedgerLine(s.sample_id, entry_id, "trained", self.step, self.version)
                    for entry_id, group in zip(full.group_entries, full.groups) for s in group]
-        self.ledger.record([*full.lines, *trained])
+        lead.ledger.record([*full.lines, *trained])
         self._uncommitted.extend(full.consumed)
         rewards = [s.reward for g in full.groups for s in g]
         sampled = full.sampled_rewards or rewards
@@ -484,14 +385,14 @@ class Trainer:
             # The step's own reward_mean is the trained groups' (reward_mean_trained above).
             **{k: v for k, v in metrics.items() if k != "reward_mean"},
         }
-        if self.hooks is not None:  # before the line is written, so that it counts this step's hook failures
-            row.update(self.hooks.on_step(self.step, {"policy_version": self.version, "samples": len(rewards),
+        if lead.hooks is not None:  # before the line is written, so that it counts this step's hook failures
+            row.update(lead.hooks.on_step(self.step, {"policy_version": self.version, "samples": len(rewards),
                                                       "groups": len(full.groups)}, row))
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(row) + "\n")
-        if self.scalars is not None:
-            self.scalars.add(row, self.step)
+        if lead.scalars is not None:
+            lead.scalars.add(row, self.step)
         log.info("step %d version %d reward %.3f loss %.4f", self.step, self.version, row["reward_mean"],
                  metrics.get("loss", float("nan")))
 
@@ -504,23 +405,21 @@ class Trainer:
         if directory.exists():
             raise RuntimeError(f"checkpoint {directory} exists already: a step number was reused, which would "
                                "break the ledger's exactly-once accounting")
-        if self.rank == 0:
-            assert self.ledger is not None
-            self.ledger.write_segment(self.step)
+        if self.lead is not None:
+            self.lead.ledger.write_segment(self.step)
         state = self.step_fn.state_dict()
         seconds = save_checkpoint(directory, self.model, self.optimizer,
                                   meta={"step": self.step, "policy_version": self.version, "train_step": state})
         self._committed_step = self.step
-        if self.rank == 0:
-            assert self.ledger is not None and self.source is not None and self.clock is not None
-            self.ledger.mark_committed(self.step)
-            self.source.ack(self._uncommitted)
-            self.clock.event("checkpoint", step=self.step, version=self.version, acked=len(self._uncommitted),
+        if (lead := self.lead) is not None:
+            lead.ledger.mark_committed(self.step)
+            lead.source.ack(self._uncommitted)
+            lead.clock.event("checkpoint", step=self.step, version=self.version, acked=len(self._uncommitted),
                              seconds=round(seconds, 3))
             self._uncommitted = []
             prune_checkpoints(self.ckpt_root, self.s.keep_checkpoints)
-            if self.hooks is not None:
-                self.hooks.on_commit(self.step, str(directory))
+            if lead.hooks is not None:
+                lead.hooks.on_commit(self.step, str(directory))
 
     # -------------------------------------------------------------------------------------------------- helpers
     @property
@@ -571,19 +470,11 @@ class Trainer:
     def close(self) -> None:
         if self._push_thread is not None:
             self._push_thread.join()
-        if self.pusher is not None:
-            self._loop.run_until_complete(self._close_pusher())
+        if self.lead is not None and self.lead.pusher is not None:
+            self._loop.run_until_complete(close_pusher(self.lead.pusher))
         self._loop.close()
-        if self.scalars is not None:
-            self.scalars.close()
-
-    async def _close_pusher(self) -> None:
-        try:
-            await self.pusher.close()
-        finally:
-            # A rotation's engines are those in its group now; its clients include the ones that left it.
-            for engine in getattr(self.pusher, "all", self.pusher.engines):
-                await engine.close()
+        if self.lead is not None and self.lead.scalars is not None:
+            self.lead.scalars.close()
 
 
 def broadcast_msgpack(obj: Any, group: Any) -> Any:

@@ -27,12 +27,12 @@ from pipeline.config.trainer import TrainerConfig
 from pipeline.consumers.trainer.drain import Drainer
 from pipeline.consumers.trainer.hooks import HookRunner
 from pipeline.consumers.trainer.ledger import Ledger
-from pipeline.consumers.trainer.loop import RedisClock, Trainer, TrainerSettings
+from pipeline.consumers.trainer.loop import RankZero, RedisClock, Trainer, TrainerSettings
 from pipeline.consumers.trainer.snapshots import SnapshotWriter
 from pipeline.errors import ConfigError
 from pipeline.metrics import open_sinks
 from pipeline.rundir import base_model_dir, engines_path, latest_checkpoint, ledger_dir
-from pipeline.sync.base import WeightUpdateEngine
+from pipeline.sync.base import WeightPush, WeightUpdateEngine
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ def run_trainer(run_dir: Path, model_dir: Path,
         check_spec_weights(megatron_model, model_cfg, source=model, engine=engine)
     rank = dist.get_rank()
     loop = asyncio.new_event_loop()
-    source = clock = ledger = pusher = snapshots = scalars = runner = None
+    lead: RankZero | None = None
     if rank == 0:
         from pipeline.queue.rundir import open_run
 
@@ -102,14 +102,14 @@ def run_trainer(run_dir: Path, model_dir: Path,
         source = Drainer(handle.queue, ledger, staleness, filters=filters, consumer="trainer-0",
                          block_ms=trainer.drain_block_ms, claim_idle_ms=queue.claim_idle_ms,
                          min_groups=ps.get_data_parallel_world_size())
-        clock = RedisClock(handle.queue)
+        lead = RankZero(source=source, clock=RedisClock(handle.queue), ledger=ledger)
         members = engines() if callable(engines) else engines
         if members:
-            pusher = loop.run_until_complete(_connect_pusher(sync, members, run_dir, model_dir))
+            lead.pusher = loop.run_until_complete(_connect_pusher(sync, members, run_dir, model_dir))
         if heldout.enabled:
-            snapshots = SnapshotWriter.for_run(run_dir, model_dir, heldout, clock.get())
-        scalars = open_sinks(run_dir, "trainer", metrics, run.name)
-        runner = HookRunner.from_config(hooks)
+            lead.snapshots = SnapshotWriter.for_run(run_dir, model_dir, heldout, lead.clock.get())
+        lead.scalars = open_sinks(run_dir, "trainer", metrics, run.name)
+        lead.hooks = HookRunner.from_config(hooks)
 
     def export() -> Iterator[tuple[str, torch.Tensor]]:
         # Views of the live parameters where no gather or conversion made a new tensor: the trainer packs or clones
@@ -121,15 +121,14 @@ def run_trainer(run_dir: Path, model_dir: Path,
                                keep_checkpoints=trainer.keep_checkpoints, run_dir=run_dir,
                                overlap_push=trainer.overlap_push, profile_steps=trainer.profile_steps)
     driver = Trainer(settings, model=megatron_model, optimizer=optimizer, step_fn=step, export_weights=export,
-                     source=source, clock=clock, ledger=ledger, pusher=pusher, loop=loop,
-                     dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
-                     snapshots=snapshots, scalars=scalars, hooks=runner)
+                     lead=lead, loop=loop, dp_rank=ps.get_data_parallel_rank(),
+                     dp_size=ps.get_data_parallel_world_size())
     try:
         driver.train()
     finally:
         driver.close()
-        if snapshots is not None:
-            snapshots.close()  # the final snapshot must be on disk before the launcher sees this rank finish
+        if lead is not None and lead.snapshots is not None:
+            lead.snapshots.close()  # the final snapshot must be on disk before the launcher sees this rank finish
         # The interpreter's last collection at exit would walk every object megatron and torch made: about 5 s on
         # CPU, which a stop waits for. Nothing here needs collecting any more, so take it all out of its sight.
         gc.freeze()
@@ -162,10 +161,10 @@ def check_spec_weights(model: Any, model_cfg: Any, *, source: ModelSource, engin
 
 
 async def _connect_pusher(sync: SyncConfig, engines: Sequence[WeightUpdateEngine], run_dir: Path,
-                          model_dir: Path) -> Any:
+                          model_dir: Path) -> WeightPush:
     """The push to the engines, routed around one that fails and re-syncing one that comes back
     (``pipeline.sync.rotation``), in the engines' dtype (``sync.dtype``)."""
-    from pipeline.sync.pusher import WeightPusher, engines_dtype, engines_tp
+    from pipeline.sync.pusher import PushOptions, WeightPusher, engines_dtype, engines_tp
     from pipeline.sync.rotation import EngineRotation
 
     backend = sync.backend if sync.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
@@ -181,8 +180,8 @@ async def _connect_pusher(sync: SyncConfig, engines: Sequence[WeightUpdateEngine
         return await WeightPusher.connect(
             members, master_address=address, master_port=port, backend=backend, timeout_s=sync.timeout_s,
             ranks_per_engine=ranks,
-            bucket_bytes=sync.bucket_mb * 2**20 if sync.bucket_mb else None, dtype=dtype,
-            flat=sync.wire == "flat", stall_timeout_s=sync.stall_timeout_s,
+            options=PushOptions(bucket_bytes=sync.bucket_mb * 2**20 if sync.bucket_mb else None, dtype=dtype,
+                                flat=sync.wire == "flat", stall_timeout_s=sync.stall_timeout_s),
         )
 
     def discover(known: list[WeightUpdateEngine]) -> list[WeightUpdateEngine]:
@@ -227,14 +226,12 @@ def run_replay(model_dir: Path, source: Path, id_range: tuple[str | None, str | 
                                keep_checkpoints=trainer.keep_checkpoints, run_dir=out_dir,
                                profile_steps=trainer.profile_steps)
     clock = LocalClock(start)
+    lead = RankZero(source=ReplaySource(open_records(source, id_range), staleness, ledger, clock, filters=filters),
+                    clock=clock, ledger=ledger, scalars=open_sinks(out_dir, "trainer", metrics, run.name),
+                    hooks=HookRunner.from_config(hooks)) if torch.distributed.get_rank() == 0 else None
     driver = Trainer(settings, model=megatron_model, optimizer=optimizer, step_fn=step,
-                     export_weights=lambda: iter(()),
-                     source=ReplaySource(open_records(source, id_range), staleness, ledger, clock, filters=filters),
-                     clock=clock, ledger=ledger,
-                     dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
-                     scalars=open_sinks(out_dir, "trainer", metrics, run.name)
-                     if torch.distributed.get_rank() == 0 else None,
-                     hooks=HookRunner.from_config(hooks) if torch.distributed.get_rank() == 0 else None)
+                     export_weights=lambda: iter(()), lead=lead,
+                     dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size())
     try:
         driver.train()
         if driver.step == 0:
