@@ -17,6 +17,10 @@ from pipeline.queue.redis_server import EmbeddedRedis
 from pipeline.queue.redis_streams import SampleQueue
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Scripts the tests start (worker ranks, engines, `python tests/.../test_x.py`) import `pipeline` and `tests.helpers`
+# from this checkout, whatever their working directory.
+_REPO = str(Path(__file__).resolve().parents[1])
+os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(filter(None, [_REPO, os.environ.get("PYTHONPATH")])))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

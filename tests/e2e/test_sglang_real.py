@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -49,8 +50,9 @@ def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     try:
         yield started
     finally:
+        began = time.monotonic()
         started.stop()
-    assert not started.alive()
+    assert not started.alive(), f"the server outlived its stop ({time.monotonic() - began:.1f} s)"
 
 
 def _client(server: SGLangServer) -> SGLangClient:

@@ -134,7 +134,8 @@ class SGLangServer:
                 time.sleep(0.1)
             if self._group_alive():
                 self._signal_group(signal.SIGKILL)
-                deadline = time.monotonic() + 10
+                # A loaded machine can take many seconds to tear down a killed server's memory and threads.
+                deadline = time.monotonic() + 60
                 while self._group_alive() and time.monotonic() < deadline:
                     self._reap()
                     time.sleep(0.1)
