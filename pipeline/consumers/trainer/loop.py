@@ -444,7 +444,7 @@ class Trainer(PushSteps):
         """Whether any rank was asked to stop, answered identically on every rank at this step boundary.
 
         A rank that acted on its own request would enter the collective commit alone while its peers wait in the next
-        drain's broadcast, and both would sit there until SIGKILL (the 67 s Ctrl-C of issue 8). So the ranks vote:
+        drain's broadcast, and both would sit there until SIGKILL (a Ctrl-C once took 67 s that way). So the ranks vote:
         an all-reduce (MAX) of one integer over the gloo group they already share. Every rank gets the same answer at
         the same step, whichever rank got the signal and whenever it landed, and it costs a round trip of a few bytes
         per step. A stop key in Redis would cost every rank a Redis connection, and two ranks reading it a moment
