@@ -124,7 +124,6 @@ def save_checkpoint(
     if _rank() == 0:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
-        (staging / _META).write_text(json.dumps(meta or {}, sort_keys=True))
     _barrier()
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -139,6 +138,10 @@ def save_checkpoint(
             f"{staging.parent} full ({free / 2**20:.0f} MiB free) or a quota or file-size limit in the way? Nothing "
             "is lost: the steps since the last checkpoint stay unacked, and the restarted trainer resumes from that "
             "checkpoint and trains them again") from e
+    if _rank() == 0:
+        # Only after megatron's save: it takes any file already in the folder for the remains of an old, broken
+        # checkpoint and warns that it overwrites one. The rename below is the commit, so the meta is in time.
+        (staging / _META).write_text(json.dumps(meta or {}, sort_keys=True))
     _barrier()
     if _rank() == 0:
         staging.rename(final)
