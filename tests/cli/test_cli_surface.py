@@ -33,7 +33,7 @@ SURFACE = {
     "queue export": ([], ["--json", "--range", "--redis", "--run", "--run-dir", "--to"]),
     "queue stats": ([], ["--json", "--redis", "--run", "--run-dir"]),
     "queue tail": ([], ["--count", "--follow", "--json", "--redis", "--run", "--run-dir"]),
-    "replay": (["recipe"], ["--from", "--range", "--run-dir", "--set", "--steps"]),
+    "replay": (["recipe"], ["--from", "--json", "--range", "--run-dir", "--set", "--steps"]),
     "run": (["recipe"], ["--dry-run", "--ray-address", "--run-dir", "--set", "--steps"]),
     "sft": (["recipe"], ["--run-dir", "--set"]),
 }

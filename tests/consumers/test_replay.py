@@ -55,7 +55,7 @@ def _replay(model_dir: Path, archive: Path, out: Path, *extra: str) -> dict:
     cmd = [sys.executable, "-m", "pipeline.cli", "replay", "recipes/cpu-moe.toml", "--from", str(archive),
            "--run-dir", str(out), "--set", f"model.path={json.dumps(str(model_dir))}", "--set",
            f"trainer.batch_groups={BATCH}", "--set", "trainer.checkpoint_every=3", "--set", "warmstart.enabled=false",
-           "--set", "filters.zero_variance=false", *extra]
+           "--set", "filters.zero_variance=false", "--json", *extra]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[2])
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])

@@ -235,7 +235,8 @@ def run_replay(model_dir: Path, source: Path, id_range: tuple[str | None, str | 
     try:
         driver.train()
         if driver.step == 0:
-            raise ConfigError(f"replay of {source} trained nothing: no group passed the staleness policy")
+            raise ConfigError(f"replay of {source} trained nothing: no group passed both the staleness policy "
+                              "(staleness.max_lag) and the group filters (filters.zero_variance among them)")
         export_hf_model(megatron_model, model_cfg, model_dir, base_model_dir(out_dir))
     finally:
         driver.close()
