@@ -133,17 +133,24 @@ STAGES = ("pipeline.queue", "pipeline.producers", "pipeline.consumers", "pipelin
 
 
 def test_the_stages_below_do_not_import_the_stages_above() -> None:
-    """queue and sync use neither producers nor consumers; producers and consumers do not import each other, nor the
-    launcher, the CLI or the observers above them (deferred imports inside functions excepted)."""
+    """queue and sync use neither producers nor consumers; producers and consumers do not import each other, nor
+    held-out evaluation, the launcher, the CLI or the observers above them; the recipe schema, prompt data and model
+    specs import no stage (deferred imports inside functions excepted)."""
     above = {
         "pipeline.queue": ("pipeline.producers", "pipeline.consumers", "pipeline.sync", "pipeline.launch",
                            "pipeline.cli", "pipeline.observe"),
         "pipeline.sync": ("pipeline.producers", "pipeline.consumers", "pipeline.launch", "pipeline.cli",
                           "pipeline.observe"),
-        "pipeline.producers": ("pipeline.consumers", "pipeline.launch", "pipeline.cli", "pipeline.observe"),
-        "pipeline.consumers": ("pipeline.producers", "pipeline.launch", "pipeline.cli", "pipeline.observe"),
-        "pipeline.config": ("pipeline.queue", "pipeline.producers", "pipeline.consumers", "pipeline.sync",
-                            "pipeline.launch", "pipeline.cli", "pipeline.observe"),
+        "pipeline.producers": ("pipeline.consumers", "pipeline.heldout", "pipeline.launch", "pipeline.cli",
+                               "pipeline.observe"),
+        "pipeline.consumers": ("pipeline.producers", "pipeline.heldout", "pipeline.launch", "pipeline.cli",
+                               "pipeline.observe"),
+        # Held-out evaluation may use both stages, but nothing above it.
+        "pipeline.heldout": ("pipeline.launch", "pipeline.cli", "pipeline.observe"),
+        # Prompt data and model specs sit below every stage that reads them.
+        "pipeline.data": STAGES,
+        "pipeline.models": tuple(s for s in STAGES if s != "pipeline.models"),
+        "pipeline.config": STAGES + ("pipeline.rundir",),
         # The run folder's layout sits below every stage: any of them, the queue included, may import it.
         "pipeline.rundir": STAGES,
     }
