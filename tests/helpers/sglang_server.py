@@ -19,6 +19,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.net import free_port
+
 ENV_VAR = "SLUICE_SGLANG_ENV"
 DEFAULT_ENV = Path.home() / ".cache" / "sluice" / "sglang-cpu-0.5.23"
 COMPLETE_MARKER = ".sluice-sglang-cpu-complete"
@@ -86,12 +88,6 @@ def moe_shape(model_dir: Path) -> tuple[int, int]:
     step = int(cfg.get("decoder_sparse_step") or 1)
     moe = [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
     return len(moe), int(cfg["num_experts_per_tok"])
-
-
-def free_port() -> int:
-    from pipeline.net import free_port as _free
-
-    return _free()
 
 
 @dataclass
