@@ -42,14 +42,16 @@ RUN_ARGS = ["--steps", "60", "--set", "trainer.world_size=2", "--set", "trainer.
             "--set", "eval.heldout.enabled=false", "--set", "filters.zero_variance=false"]
 
 
-def _default_sigint() -> None:
-    # A background job of a non-interactive shell (CI) inherits SIGINT ignored, and Python then never sees a Ctrl-C.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+# A background job of a non-interactive shell (CI) inherits SIGINT ignored, and Python then never sees a Ctrl-C. The
+# child restores it itself and then becomes the launcher: a preexec_fn would run Python between fork and exec, which
+# crashed the child (SIGSEGV before exec) once earlier tests had left this process with many threads.
+_DEFAULT_SIGINT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                   "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
 
 
 def _sluice_run(run_dir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "pipeline.cli", "run", "recipes/cpu-moe.toml", "--run-dir", str(run_dir),
-            *RUN_ARGS, *extra]
+    return [sys.executable, "-c", _DEFAULT_SIGINT, "-m", "pipeline.cli", "run", "recipes/cpu-moe.toml", "--run-dir",
+            str(run_dir), *RUN_ARGS, *extra]
 
 
 def _env() -> dict[str, str]:
@@ -75,7 +77,7 @@ class Launch:
     def start(cls, run_dir: Path, log: Path) -> Launch:
         with open(log, "ab") as out:
             proc = subprocess.Popen(_sluice_run(run_dir), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True, env=_env(), preexec_fn=_default_sigint)
+                                    start_new_session=True, env=_env())
         return cls(proc, log, run_dir)
 
     def watch(self) -> None:
