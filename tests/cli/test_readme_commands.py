@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 import tomllib
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,7 +144,17 @@ def uses_run(command: str, run_dir: str) -> bool:
     return any(arg == run_dir or arg.startswith(run_dir + "/") for arg in shlex.split(command, comments=True))
 
 
-def test_readme_commands_run_as_written(tmp_path: Path) -> None:
+@pytest.fixture
+def run_servers_stopped(tmp_path: Path) -> Iterator[None]:
+    """A finished `sluice run` leaves its embedded Redis up for the commands that look into the run; stop them all."""
+    yield
+    from pipeline.queue.redis_server import EmbeddedRedis
+
+    for folder in sorted((tmp_path / "runs").glob("*/redis")):
+        EmbeddedRedis(folder).start().stop()
+
+
+def test_readme_commands_run_as_written(tmp_path: Path, run_servers_stopped: None) -> None:
     commands = readme_commands((ROOT / "README.md").read_text())
     assert len(commands) > 10, "the README's ```bash blocks were not found"
     unused = [p for p in NOT_RUN if not any(p in c for c in commands)]
