@@ -9,8 +9,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -168,3 +168,21 @@ class _RecordedWork:
             if not self._seen:  # a work may be waited for again (WeightGroup.wait), as a real one may
                 self._seen = True
                 self._events.append(f"done {self._index}")
+
+
+Weights = list[tuple[str, torch.Tensor]]
+
+
+@contextmanager
+def served_with_new_weights(folder: Path) -> Iterator[tuple[ServedEngine, Weights]]:
+    """A CPU engine served in this process on a tiny Qwen3, and another model's weights to push into it."""
+    from safetensors.torch import load_file
+
+    from pipeline.models.tiny import init_tiny_model
+
+    engine = ServedEngine(init_tiny_model("qwen3", folder / "m", seed=0))
+    new_dir = init_tiny_model("qwen3", folder / "new", seed=1)
+    try:
+        yield engine, sorted(load_file(str(new_dir / "model.safetensors")).items())
+    finally:
+        engine.stop()

@@ -27,24 +27,16 @@ from pipeline.producers.cpu_engine.update_turns import UpdateTurns
 from pipeline.producers.sglang_client import NO_RETRY, SGLangClient
 from pipeline.sync.packing import FLAT_FORMAT
 from pipeline.sync.pusher import PushOptions, WeightPusher
-from tests.helpers.engines import RecordingImpl, ServedEngine, pushing
+from tests.helpers.engines import RecordingImpl, ServedEngine, Weights, pushing, served_with_new_weights
 
 KB = 1 << 10
 GATE, UP = "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"
 
 
-Weights = list[tuple[str, torch.Tensor]]
-
-
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[tuple[ServedEngine, Weights]]:
-    """A CPU engine served in this process on a tiny Qwen3, and another model's weights to push into it."""
-    engine = ServedEngine(init_tiny_model("qwen3", tmp_path / "m", seed=0))
-    new_dir = init_tiny_model("qwen3", tmp_path / "new", seed=1)
-    try:
-        yield engine, sorted(load_file(str(new_dir / "model.safetensors")).items())
-    finally:
-        engine.stop()
+    with served_with_new_weights(tmp_path) as pair:
+        yield pair
 
 
 def _announce(client: SGLangClient, pusher: WeightPusher, index: int, name: str, shape: list[int],

@@ -12,33 +12,23 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from pipeline.models.tiny import init_tiny_model
 from pipeline.producers.sglang_client import NO_RETRY, SGLangClient
 from pipeline.sync.base import WeightPush, WeightUpdateEngine
 from pipeline.sync.packing import PackedBucket
 from pipeline.sync.pusher import PushOptions, WeightPusher
 from pipeline.sync.rotation import EngineRotation
-from tests.helpers.engines import ServedEngine
+from tests.helpers.engines import ServedEngine, Weights, served_with_new_weights
 
 KB = 1 << 10
 TRAINER = Path(__file__).resolve().parents[2] / "pipeline" / "consumers" / "trainer"
 MEMBERS = {name for name in vars(WeightPush) if not name.startswith("_")}
 """Every member of the protocol: the scenario below must call each one."""
 
-Weights = list[tuple[str, torch.Tensor]]
-
-
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[tuple[ServedEngine, Weights]]:
-    """A CPU engine served in this process on a tiny Qwen3, and another model's weights to push into it."""
-    engine = ServedEngine(init_tiny_model("qwen3", tmp_path / "m", seed=0))
-    new_dir = init_tiny_model("qwen3", tmp_path / "new", seed=1)
-    try:
-        yield engine, sorted(load_file(str(new_dir / "model.safetensors")).items())
-    finally:
-        engine.stop()
+    with served_with_new_weights(tmp_path) as pair:
+        yield pair
 
 
 async def _connect(members: list[WeightUpdateEngine]) -> WeightPusher:
