@@ -27,6 +27,15 @@ class SyncConfig(Strict):
     the time a whole push takes (big models on GPU: raise both)."""
     wire: Literal["flat", "tensors"] = "flat"
     """flat: one broadcast per bucket (SGLang's load_format "flattened_bucket"); tensors: one per tensor."""
+    sources: Literal["owners", "rank0"] = "owners"
+    """owners: every Hugging Face tensor the engines load has one owner rank (an expert: the expert-parallel rank
+    holding it; a TP-sharded tensor: one rank of its TP group, which gathers it alone; a replicated one: a rank
+    chosen to spread the bytes), and each owner sends its tensors over a weight group of its own; the engines take
+    the new version once every source has landed. rank0: global rank 0 gathers every tensor and sends it alone."""
+    snapshot: Literal["auto", "device", "host"] = "auto"
+    """Where a push's snapshot (each source's share, cast to the wire dtype, sent while the next step trains) lives.
+    device: accelerator memory, counted in the --dry-run plan; host: (pinned) host memory, copied off the device at
+    once; auto: device when the plan says it fits, else host (on CPU the two are the same)."""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     """Dtype the weights travel in. auto: the engines' own (their /model_info or /get_server_info, else the model's
     config.json), so an fp32 trainer sends a bf16 engine half the bytes; the engine casts on load either way."""
