@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 _LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
-_MEGATRON_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts)\.(\d+)\.(linear_fc[12]\.weight)$")
+MEGATRON_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts)\.(\d+)\.(linear_fc[12]\.weight)$")
 
 
 # --- reading HF weights ------------------------------------------------------------------------------------------
@@ -172,7 +172,7 @@ def spec_weights(mg_model: torch.nn.Module, model: ModelConfig) -> dict[str, str
     from pipeline.models.spec import HF_WEIGHTS_ATTR
 
     out: dict[str, str | None] = {}
-    for name, _ in _named_parameters(mg_model):
+    for name, _ in named_weights(mg_model):
         if _has_rule(_global_name(name, 0), model):
             continue
         parts = name.split(".")
@@ -303,7 +303,7 @@ def _shard(full: torch.Tensor, param: torch.Tensor, name: str, rank: int, size: 
 
 
 def _global_name(name: str, offset: int) -> str:
-    match = _MEGATRON_EXPERT.match(name)
+    match = MEGATRON_EXPERT.match(name)
     if match is None or offset == 0:
         return name
     prefix, local, rest = match.groups()
@@ -319,7 +319,7 @@ _TE_FUSED_NORMS = (
 )
 
 
-def _named_parameters(mg_model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def named_weights(mg_model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(local-spec name, tensor) of every weight an HF checkpoint holds: the parameters (tied output weights
     appear once, as the embedding) and the routers' expert biases, which megatron keeps as buffers (they are set by
     a rule, not by gradients) while HF checkpoints store them as ``e_score_correction_bias``."""
@@ -361,7 +361,7 @@ def load_hf_into_megatron(mg_model: torch.nn.Module, source: HFSource, model: Mo
     hf = _Recording(hf_weights(source))
     offset = _expert_offset(model) if model.is_moe else 0
     extra = _spec_weights_to_load(mg_model, model, hf)
-    for name, param in _named_parameters(mg_model):
+    for name, param in named_weights(mg_model):
         if name in extra:
             hf_name = extra[name]
             if hf_name is None:
@@ -417,19 +417,19 @@ def _check_all_used(hf: _Recording, model: ModelConfig) -> None:
 # --- export (weight push) ------------------------------------------------------------------------------------------
 
 
-def _gather(tensor: torch.Tensor, group: Any) -> list[torch.Tensor]:
-    size = dist.get_world_size(group)
-    if size == 1:
+def gather_to(tensor: torch.Tensor, group: Any, dst: int) -> list[torch.Tensor] | None:
+    """Every member's ``tensor`` of ``group``, in group order, on global rank ``dst``; None on the others. A gather,
+    not an all-gather: no rank receives bytes it would drop."""
+    if dist.get_world_size(group) == 1:
         return [tensor]
-    parts = [torch.empty_like(tensor) for _ in range(size)]
-    dist.all_gather(parts, tensor.contiguous(), group=group)
+    mine = dist.get_rank() == dst
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))] if mine else None
+    dist.gather(tensor.contiguous(), parts, dst=dst, group=group)
     return parts
 
 
-def _unshard(param: torch.Tensor, name: str, group: Any) -> torch.Tensor:
-    if not getattr(param, "tensor_model_parallel", False) or dist.get_world_size(group) == 1:
-        return param.detach()
-    parts = _gather(param.detach(), group)
+def join_shards(parts: list[torch.Tensor], param: torch.Tensor, name: str) -> torch.Tensor:
+    """The full tensor from its TP shards in rank order (a GLU fc1's gate and up halves each joined)."""
     dim = _partition_dim(param)
     if _is_glu_fc1(name):
         gates, ups = zip(*(p.chunk(2, dim=dim) for p in parts))
@@ -437,14 +437,29 @@ def _unshard(param: torch.Tensor, name: str, group: Any) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
+def is_tp_sharded(param: torch.Tensor, group: Any) -> bool:
+    """Whether ``param`` is split over ``group`` (megatron tags such parameters; a group of one splits nothing)."""
+    return bool(getattr(param, "tensor_model_parallel", False)) and dist.get_world_size(group) > 1
+
+
+def unshard_to(param: torch.Tensor, name: str, group: Any, dst: int) -> torch.Tensor | None:
+    """``param`` whole on global rank ``dst`` (a member of ``group``), None on the other members."""
+    if not is_tp_sharded(param, group):
+        return param.detach() if dist.get_rank() == dst else None
+    parts = gather_to(param.detach(), group, dst)
+    return None if parts is None else join_shards(parts, param, name)
+
+
 def iter_hf_weights(
     mg_model: torch.nn.Module, model: ModelConfig, *, dtype: torch.dtype | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) for every weight, in a fixed order; yields only on global rank 0.
 
-    Every trainer rank must exhaust this iterator together: TP and EP shards are all-gathered on the way, and a
-    rank that stops early deadlocks the others. Unsharded tensors are views of the live parameters (no copy), so
-    send or clone them before the next optimizer step.
+    Every trainer rank must exhaust this iterator together. Shards are gathered to rank 0 alone, and only by the
+    ranks whose groups hold rank 0 (its tensor-parallel group for dense weights; data-parallel replica 0 of the
+    experts for those): no rank receives a tensor it would drop. Unsharded tensors are views of the live parameters
+    (no copy), so send or clone them before the next optimizer step. ``pipeline.consumers.megatron.owners`` exports
+    each tensor from the rank that owns it instead.
     """
     from megatron.core import parallel_state as ps
 
@@ -452,30 +467,41 @@ def iter_hf_weights(
     is_root = single or dist.get_rank() == 0
     # Every rank checks (and refuses) before the first collective, so a refusal cannot leave a rank in a gather.
     extra = check_exportable(mg_model, model)
-    for name, param in _named_parameters(mg_model):
-        match = _MEGATRON_EXPERT.match(name)
-        if name in extra:
-            full = param.detach() if single else _unshard(param, name, ps.get_tensor_model_parallel_group())
-            items = [(extra[name], full)]
-        elif match is None:
-            full = param.detach() if single else _unshard(param, name, ps.get_tensor_model_parallel_group())
-            items = megatron_full_to_hf(name, full, model)
-        else:
+    dense_replica_0 = single or ps.get_data_parallel_rank() == 0
+    for name, param in named_weights(mg_model):
+        match = MEGATRON_EXPERT.match(name)
+        if match is not None:
             items = _expert_items(name, param, model, single)
+        elif not dense_replica_0:
+            continue  # rank 0's TP group gathers these; this rank's group holds another replica
+        else:
+            full = param.detach() if single else unshard_to(param, name, ps.get_tensor_model_parallel_group(), 0)
+            if full is None:
+                continue
+            items = [(extra[name], full)] if name in extra else megatron_full_to_hf(name, full, model)
         if is_root:
             for hf_name, tensor in items:
                 yield hf_name, (tensor.to(dtype) if dtype is not None else tensor).contiguous()
 
 
 def _expert_items(name: str, param: torch.Tensor, model: ModelConfig, single: bool) -> list[tuple[str, torch.Tensor]]:
+    """This expert parameter of every EP rank, on rank 0 (empty elsewhere): each ETP group of expert replica 0
+    gathers its shards to its first rank, whose EP group (rank 0's) then gathers the experts to rank 0."""
     from megatron.core import parallel_state as ps
 
     if single:
         return megatron_full_to_hf(name, param.detach(), model)
-    full_local = _unshard(param, name, ps.get_expert_tensor_parallel_group())
-    per_rank = _gather(full_local, ps.get_expert_model_parallel_group())
+    if ps.get_expert_data_parallel_rank() != 0:
+        return []
+    etp_group = ps.get_expert_tensor_parallel_group()
+    full_local = unshard_to(param, name, etp_group, dist.get_process_group_ranks(etp_group)[0])
+    if full_local is None:
+        return []
+    per_rank = gather_to(full_local, ps.get_expert_model_parallel_group(), 0)
+    if per_rank is None:
+        return []
     local_count = model.num_experts // len(per_rank)
-    prefix, local, rest = _MEGATRON_EXPERT.match(name).groups()  # type: ignore[union-attr]
+    prefix, local, rest = MEGATRON_EXPERT.match(name).groups()  # type: ignore[union-attr]
     items: list[tuple[str, torch.Tensor]] = []
     for ep_rank, tensor in enumerate(per_rank):
         global_name = f"{prefix}.{int(local) + ep_rank * local_count}.{rest}"
