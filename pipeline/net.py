@@ -13,6 +13,9 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 
 #: Query parameters redis-py reads from a URL that hold a secret (``ssl_password`` unlocks an encrypted client key).
 SECRET_QUERY_KEYS = frozenset({"password", "ssl_password"})
+#: A Redis Cluster's URL scheme -> the scheme of each of its nodes. The host part of such a URL lists several nodes
+#: (``redis+cluster://user:pass@h1:7000,h2:7001``), which urllib cannot read a port from.
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 
 
 def has_secret(url: str) -> bool:
@@ -34,9 +37,9 @@ def redact_url(url: str) -> str:
     netloc = parts.netloc
     if password is not None:
         user = parts.username or ""
-        host = parts.hostname or ""
-        if parts.port:
-            host = f"{host}:{parts.port}"
+        # The host part as written: a cluster URL's list of nodes has no single port to parse, and an IPv6 address
+        # keeps its brackets.
+        host = netloc.rpartition("@")[2]
         netloc = f"{user}:***@{host}" if user else f":***@{host}"
     query = parts.query
     pairs = parse_qsl(query, keep_blank_values=True)

@@ -21,6 +21,7 @@ import redis
 
 from pipeline.errors import SluiceError
 from pipeline.launch.cluster import RestartBudget
+from pipeline.queue.connection import RedisClient
 from pipeline.queue.redis_server import EmbeddedRedis
 
 log = logging.getLogger(__name__)
@@ -123,7 +124,7 @@ class RunLock:
     the holder (host, PID, start time) for the refusal, and its random token lets only the holder renew or delete it.
     """
 
-    client: redis.Redis
+    client: RedisClient
     key: str
     value: str
     ttl_s: float = LOCK_TTL_S
@@ -133,7 +134,7 @@ class RunLock:
     _thread: threading.Thread | None = None
 
     @classmethod
-    def acquire(cls, client: redis.Redis, key: str, what: str, ttl_s: float = LOCK_TTL_S,
+    def acquire(cls, client: RedisClient, key: str, what: str, ttl_s: float = LOCK_TTL_S,
                 on_lost: Callable[[], None] = lambda: None) -> RunLock:
         """Take the lock and start renewing it, or raise ``RunLockedError`` naming the live launcher."""
         value = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": round(time.time(), 3),

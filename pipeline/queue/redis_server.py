@@ -15,7 +15,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, cast
 
 import psutil
 import redis
@@ -84,7 +84,8 @@ class EmbeddedRedis:
     def client(self, **kwargs: object) -> redis.Redis:
         from pipeline.queue.connection import connect
 
-        return connect(self.url, **kwargs)  # type: ignore[arg-type]
+        # An embedded server is one node: its URL is never a cluster's.
+        return cast(redis.Redis, connect(self.url, **kwargs))
 
     def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
         self.folder.mkdir(parents=True, exist_ok=True)

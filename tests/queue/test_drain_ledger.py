@@ -12,7 +12,14 @@ from pipeline.consumers.trainer.ledger import Ledger, LedgerLine, read_ledger
 from pipeline.producers.cursor import PromptCursor
 from pipeline.queue.redis_streams import SampleQueue
 from pipeline.queue.sample import SampleStatus
+from tests.helpers import one_slot, redis_cluster
 from tests.helpers.samples import make_group
+
+# Every test here runs on a single server and on a 3-primary Redis Cluster, under the one-slot check
+# (tests/helpers/one_slot.py): the drainer's release and requeue scripts and its ack's MULTI.
+pytestmark = one_slot.ON_BOTH
+redis_kind, redis_url, redis_client = one_slot.redis_kind, one_slot.redis_url, one_slot.redis_client
+redis_cluster = redis_cluster.redis_cluster
 
 
 def test_drain_applies_staleness_and_marks_invalid_samples(queue: SampleQueue, tmp_path: Path) -> None:

@@ -14,7 +14,14 @@ from pipeline.queue.connection import connect, redact_url
 from pipeline.queue.keys import RunKeys
 from pipeline.queue.redis_server import EmbeddedRedis
 from pipeline.queue.redis_streams import SampleQueue
+from tests.helpers import one_slot, redis_cluster
+from tests.helpers.one_slot import ON_BOTH
 from tests.helpers.samples import make_group
+
+# The tests marked ON_BOTH run on a single server and on a 3-primary Redis Cluster, their client under the one-slot
+# check (tests/helpers/one_slot.py).
+redis_kind, redis_url, redis_client = one_slot.redis_kind, one_slot.redis_url, one_slot.redis_client
+redis_cluster = redis_cluster.redis_cluster
 
 
 def test_keys_share_one_hash_slot() -> None:
@@ -26,6 +33,7 @@ def test_keys_share_one_hash_slot() -> None:
         RunKeys("bad name/with:colons")
 
 
+@ON_BOTH
 def test_put_read_ack_through_two_independent_groups(queue: SampleQueue) -> None:
     rng = np.random.default_rng(0)
     assert queue.create_group("trainer") and queue.create_group("eval")
@@ -54,6 +62,7 @@ def test_put_read_ack_through_two_independent_groups(queue: SampleQueue) -> None
     assert queue.stats().produced == 5
 
 
+@ON_BOTH
 def test_read_blocks_until_an_entry_arrives(queue: SampleQueue) -> None:
     rng = np.random.default_rng(1)
     queue.create_group("trainer")
@@ -66,6 +75,7 @@ def test_read_blocks_until_an_entry_arrives(queue: SampleQueue) -> None:
     assert len(got) == 1 and time.monotonic() - t0 < 4.0
 
 
+@ON_BOTH
 def test_corrupt_entry_is_dead_lettered_and_the_consumer_keeps_going(queue: SampleQueue) -> None:
     rng = np.random.default_rng(2)
     queue.create_group("trainer")
@@ -91,6 +101,7 @@ def test_corrupt_entry_is_dead_lettered_and_the_consumer_keeps_going(queue: Samp
     assert queue.stats().deadletter == 2
 
 
+@ON_BOTH
 def test_backpressure_blocks_put_until_the_trainer_reads(redis_client: redis.Redis, run_name: str) -> None:
     rng = np.random.default_rng(3)
     q = SampleQueue(redis_client, run_name, capacity=3, poll_s=0.01)
@@ -118,6 +129,7 @@ def test_backpressure_blocks_put_until_the_trainer_reads(redis_client: redis.Red
     q.put(make_group(rng, 1), timeout_s=1)
 
 
+@ON_BOTH
 def test_backpressure_counts_only_undelivered_entries(redis_client: redis.Redis, run_name: str) -> None:
     rng = np.random.default_rng(4)
     q = SampleQueue(redis_client, run_name, capacity=2, poll_s=0.01)
@@ -128,6 +140,7 @@ def test_backpressure_counts_only_undelivered_entries(redis_client: redis.Redis,
     assert q.stats().length == 6 and q.lag("trainer") == 0
 
 
+@ON_BOTH
 def test_pending_entries_are_redelivered_after_a_consumer_dies(queue: SampleQueue) -> None:
     rng = np.random.default_rng(5)
     queue.create_group("trainer")
@@ -147,6 +160,7 @@ def test_pending_entries_are_redelivered_after_a_consumer_dies(queue: SampleQueu
     assert [e.id for e in queue.read_pending("trainer", "worker-b")] == ids[1:4]
 
 
+@ON_BOTH
 def test_trim_never_drops_an_unacked_entry(queue: SampleQueue) -> None:
     rng = np.random.default_rng(6)
     queue.create_group("trainer")
@@ -178,6 +192,7 @@ def test_trim_never_drops_an_unacked_entry(queue: SampleQueue) -> None:
     assert queue.trim() == 2 and more
 
 
+@ON_BOTH
 def test_groups_attach_at_start_end_or_an_id(queue: SampleQueue) -> None:
     rng = np.random.default_rng(7)
     ids = queue.put_many([make_group(rng, 1) for _ in range(4)])
@@ -192,6 +207,7 @@ def test_groups_attach_at_start_end_or_an_id(queue: SampleQueue) -> None:
         queue.read("nobody", "c")
 
 
+@ON_BOTH
 def test_entries_are_numbered_once_across_concurrent_producers(redis_url: str, run_name: str) -> None:
     def produce(seed: int) -> None:
         q = SampleQueue(connect(redis_url), run_name)
