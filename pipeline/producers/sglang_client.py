@@ -468,6 +468,12 @@ class SGLangClient:
         announcement at a time."""
         return (await self.model_info()).raw.get("ordered_updates") is True
 
+    async def concurrent_sources(self) -> bool:
+        """Whether the engine receives on several weight groups at once (``/model_info``'s ``concurrent_sources``,
+        the CPU engine). SGLang's scheduler runs one ``/update_weights_from_distributed`` at a time, so sources
+        pushing to it take turns (docs/weight-push.md)."""
+        return (await self.model_info()).raw.get("concurrent_sources") is True
+
     async def _server_info(self) -> Mapping[str, Any]:
         try:
             response = await self.retry.call(lambda: self._request("GET", "/get_server_info", None, self.timeout))

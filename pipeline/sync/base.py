@@ -228,6 +228,11 @@ class WeightPush(Protocol):
         """Every engine client this push was given, in the group or not: the ones to close at the end."""
         ...
 
+    @property
+    def dtype(self) -> str | None:
+        """The dtype floats travel in (None: each tensor's own); the other sources of a push pack theirs so."""
+        ...
+
     async def push(self, weights: Sequence[PackedBucket] | Sequence[tuple[str, torch.Tensor]],
                    weight_version: str | int) -> PushStats:
         """Push every weight to the engines and set their version; raises SyncError when it cannot."""

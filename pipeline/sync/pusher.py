@@ -8,10 +8,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -29,6 +28,8 @@ from pipeline.sync.base import (
 from pipeline.sync.lifecycle import Adoption, ManagedEngine, adopt_engines
 from pipeline.sync.packing import FIRST_BUCKET_SHARE, FLAT_FORMAT, BucketPacker, BucketSlots, PackedBucket
 from pipeline.sync.sources import Prepacked, Streamed, exhaust, is_packed
+from pipeline.sync.sources_push import SourceReport, SourcesLead, failures
+from pipeline.sync.threads import call_soon, run_in_thread
 from pipeline.sync.weights import (
     DEFAULT_BUCKET_BYTES,
     MB,
@@ -128,7 +129,7 @@ class WeightPusher:
     """
 
     def __init__(self, group: WeightGroup, engines: Sequence[WeightUpdateEngine],
-                 options: PushOptions = PushOptions()) -> None:
+                 options: PushOptions = PushOptions(), sources: SourcesLead | None = None) -> None:
         if group.rank != 0:
             raise SyncError(f"the pusher must be rank 0 of the weight group, this process is rank {group.rank}")
         if not engines:
@@ -146,11 +147,20 @@ class WeightPusher:
         self.stall_timeout_s = options.stall_timeout_s
         self.flush_refused = 0
         """Refused flushes over every push of this pusher."""
+        self.last_reports: list[SourceReport] = []
+        """What each source sent in the last push from several sources (rank 0's own first)."""
         self._stage = "idle"  # what the push in progress waits for (named when it stalls)
         self._announced = False  # whether the push in progress announced a bucket: the engines' weights may differ
         self._buffers = BucketSlots(2, self.bucket_bytes, group.device)  # reused by every streamed push
         self._flushable: list[WeightUpdateEngine] | None = None  # asked once, at the first push's flush
         self._ordered: bool | None = None  # asked once, at the first push: may announcements run ahead of answers
+        self.sources = sources
+        """The other trainer ranks, each sending the tensors it owns (``pipeline.sync.sources_push``); None: this
+        rank sends every tensor."""
+        self._sources_joined = False  # whether the other sources joined groups with this pusher's engines
+        self._concurrent: bool | None = None  # asked once: may every source send at once, or do they take turns
+        self.tp_sizes: list[int] = [1] * len(self.engines)
+        """Each engine's TP size (ranks it takes in a weight group), as ``connect`` was given them."""
 
     @classmethod
     async def connect(
@@ -164,6 +174,7 @@ class WeightPusher:
         ranks_per_engine: Sequence[int] | None = None,
         timeout_s: float = 300.0,
         options: PushOptions = PushOptions(),
+        sources: SourcesLead | None = None,
     ) -> WeightPusher:
         """Host the weight group and have every engine join it; ``ranks_per_engine`` is each engine's TP size."""
         ranks = list(ranks_per_engine) if ranks_per_engine is not None else [1] * len(engines)
@@ -175,7 +186,7 @@ class WeightPusher:
         if master_port == 0:  # bound here and now, then announced: no port picked first and bound later
             store = bind_weight_store(world_size, timeout_s)
             master_port = int(store.port)
-        hosting = _run_in_thread(
+        hosting = run_in_thread(
             lambda: init_weight_group(master_address, master_port, 0, world_size, group_name, backend, timeout_s,
                                       store=store)
         )
@@ -192,7 +203,9 @@ class WeightPusher:
         ]
         await _expect_success(engines, joins, "init_weights_update_group")
         group = await asyncio.wait_for(hosting, timeout_s)
-        return cls(group, engines, options)
+        pusher = cls(group, engines, options, sources)
+        pusher.tp_sizes = ranks
+        return pusher
 
     @property
     def all(self) -> list[WeightUpdateEngine]:
@@ -254,10 +267,14 @@ class WeightPusher:
         start = time.perf_counter()
         source = Prepacked(weights) if is_packed(weights) else Streamed(self.packer(), weights)  # type: ignore[arg-type]
         self._stage, self._announced = "the first bucket", False
+        self.last_reports = []
         deadline = asyncio.timeout(self.stall_timeout_s)
         try:
             async with deadline:
-                buckets, tensors, sent, refused = await self._push(source, version)
+                if self.sources is not None:
+                    buckets, tensors, sent, refused = await self._push_from_sources(source, version)
+                else:
+                    buckets, tensors, sent, refused = await self._push(source, version)
         except TimeoutError as exc:
             if not deadline.expired():
                 raise
@@ -348,6 +365,97 @@ class WeightPusher:
             self._stage = "every engine's /continue_generation"
             await _expect_success(self.engines, [e.continue_generation() for e in self.engines], "continue_generation")
         return buckets, tensors, sent, refused
+
+    async def send_share(self, weights: Weights, version: str) -> tuple[int, int, int]:
+        """Send these tensors into an update window another rank opened (a source of a push from several,
+        ``pipeline.sync.sources_push``): one announcement at a time on this pusher's own group, no version label,
+        no pause, begin or end. Returns (buckets, tensors, bytes)."""
+        if self.group.broken is not None:
+            exhaust(weights)
+            raise SyncError(f"weight group {self.group.group_name!r} is unusable ({self.group.broken})")
+        source = Prepacked(weights) if is_packed(weights) else Streamed(self.packer(), weights)  # type: ignore[arg-type]
+        try:
+            return await self._send_buckets(source)
+        finally:
+            await source.abort()
+
+    async def _send_buckets(self, source: Streamed | Prepacked) -> tuple[int, int, int]:
+        """Every bucket of ``source``, one announcement at a time and unlabelled: (buckets, tensors, bytes)."""
+        buckets = tensors = sent = 0
+        item = await source.next()
+        while item is not None:
+            bucket, _last = item
+            self._stage = f"bucket {buckets} (its broadcast and every engine's load)"
+            await self._push_bucket(bucket, None, False)
+            buckets, tensors, sent = buckets + 1, tensors + len(bucket.metas), sent + bucket.nbytes
+            bucket.release()
+            source.sent()
+            item = await source.next()
+        return buckets, tensors, sent
+
+    async def _push_from_sources(self, source: Streamed | Prepacked, version: str) -> tuple[int, int, int, int]:
+        """The push led from here, every trainer rank sending its own share (``pipeline.sync.sources_push``):
+        (buckets, tensors, bytes, refused flushes), counting what this rank sent; ``last_reports`` has each
+        source's. The version label moves only after every source has landed, with ``/update_weight_version`` on
+        every engine, still paused; a source that failed leaves the label as it was and the engines paused."""
+        assert self.sources is not None
+        sources = self.sources
+        opened = paused = False
+        try:
+            if not self._sources_joined:
+                self._stage = "the other sources to join weight groups"
+                await sources.connect([e.name for e in self.engines], self.tp_sizes, self.dtype)
+                self._sources_joined = True
+            if self._concurrent is None:
+                self._concurrent = all(await _engines_say(self.engines, "concurrent_sources", False))
+                self._flushable = await _with_prefix_cache(self.engines) if self.flush_cache else []
+            self._stage = "every engine's /pause_generation"
+            paused = True
+            await _expect_success(self.engines, [e.pause_generation("in_place") for e in self.engines],
+                                  "pause_generation")
+            self._stage = "every engine's /begin_weight_update"
+            opened = True
+            await _expect_success(self.engines, [e.begin_weight_update() for e in self.engines], "begin_weight_update")
+            self._announced = True  # from here the sources may announce: some weights may change
+            self._stage = "every source's share"
+
+            async def own() -> tuple[int, int, int]:
+                return await self._send_buckets(source)
+
+            if self._concurrent:
+                reports = await sources.send(version, None, own)
+            else:
+                # SGLang receives one update at a time, and a broadcast needs every engine: sources take turns, or
+                # two engines that took two sources' announcements in different orders would wait on each other.
+                reports = await sources.send(version, 0, own)
+                for rank in range(1, sources.others + 1):
+                    if failures(reports) is not None:
+                        break
+                    turn = await sources.send(version, rank)
+                    reports = [turn[r] if r == rank else reports[r] for r in range(len(turn))]
+            self.last_reports = reports
+            failed = failures(reports)
+            if failed is not None:
+                self._sources_joined = False  # a failed source's group may be out of step: each joins afresh
+                raise SyncError(f"weight push {version}: a source failed ({failed}); the engines keep the label "
+                                f"they had, paused until a push lands whole")
+        except BaseException:
+            await self._settle_failed(source, opened, paused)
+            raise
+        await source.abort()
+        self._stage = "every engine's /end_weight_update"
+        await _expect_success(self.engines, [e.end_weight_update() for e in self.engines], "end_weight_update")
+        self._stage = "every engine's /update_weight_version"
+        await _expect_success(self.engines, [e.update_weight_version(version)  # type: ignore[attr-defined]
+                                             for e in self.engines], "update_weight_version")
+        refused = 0
+        if self.flush_cache:
+            self._stage = "the prefix caches' /flush_cache"
+            refused = await self._flush_prefix_caches(version)
+        self._stage = "every engine's /continue_generation"
+        await _expect_success(self.engines, [e.continue_generation() for e in self.engines], "continue_generation")
+        mine = reports[0]
+        return mine.buckets, mine.tensors, mine.bytes, refused
 
     async def _settle_failed(self, source: Streamed | Prepacked, opened: bool, paused: bool) -> None:
         """After a failed or stalled push: stop the packer, close the engines' windows, and continue generation if
@@ -503,9 +611,9 @@ class WeightPusher:
             try:
                 works = self._issue_bucket(bucket)
             except BaseException as exc:
-                _call_soon(loop, settle, exc)
+                call_soon(loop, settle, exc)
                 raise
-            _call_soon(loop, settle, None)
+            call_soon(loop, settle, None)
             self.group.wait(works)
 
         def give_back(done: asyncio.Future[None]) -> None:
@@ -516,13 +624,13 @@ class WeightPusher:
                 source.sent()
 
         issued.add_done_callback(lambda f: f.cancelled() or f.exception())
-        done = _run_in_thread(send)
+        done = run_in_thread(send)
         done.add_done_callback(give_back)
         return _Sending(issued, done)
 
     async def _push_bucket(self, bucket: PackedBucket, weight_version: str | None, flush_cache: bool) -> None:
         posts = self._announce(bucket, weight_version, flush_cache)
-        sending = _run_in_thread(lambda: self._broadcast_bucket(bucket))
+        sending = run_in_thread(lambda: self._broadcast_bucket(bucket))
         pending: set[asyncio.Future[Any]] = set(posts) | {sending}
         try:
             while pending:
@@ -644,45 +752,6 @@ async def _settle(engines: Sequence[WeightUpdateEngine], endpoint: str) -> None:
         await asyncio.wait_for(asyncio.shield(calls), _SETTLE_TIMEOUT_S)
     except TimeoutError:
         log.warning("engines did not answer /%s within %gs after a failed weight push", endpoint, _SETTLE_TIMEOUT_S)
-
-
-def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
-    """``fn(*args)`` on ``loop`` from another thread; nothing if the loop is gone (its push failed and moved on)."""
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:
-        pass
-
-
-def _run_in_thread(fn: Callable[[], _T]) -> asyncio.Future[_T]:
-    """Run a blocking collective off the event loop, in a daemon thread.
-
-    Not ``asyncio.to_thread``: a broadcast whose peer vanished blocks until the backend timeout, and the default
-    executor's threads would then hold up interpreter exit for that long.
-    """
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[_T] = loop.create_future()
-
-    def _settle(result: _T | None, error: BaseException | None) -> None:
-        if future.cancelled():
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)  # type: ignore[arg-type]
-
-    def _target() -> None:
-        try:
-            result = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine, not swallowed
-            _call_soon(loop, _settle, None, exc)
-        else:
-            _call_soon(loop, _settle, result, None)
-
-    threading.Thread(target=_target, name="sluice-weight-broadcast", daemon=True).start()
-    # Nobody may be awaiting any more (the push already failed); retrieve the outcome so asyncio does not warn.
-    future.add_done_callback(lambda f: f.cancelled() or f.exception())
-    return future
 
 
 def _check_reply(engine: WeightUpdateEngine, task: asyncio.Future[Any], endpoint: str) -> None:

@@ -143,6 +143,11 @@ class EngineRotation:
         """Refused prefix-cache flushes and pushes abandoned as stalled, over this process's run."""
         return {"flush_refused": float(self.flush_refused), "stalls": float(self.stalls)}
 
+    @property
+    def dtype(self) -> str | None:
+        """The current group's wire dtype (None: each tensor's own)."""
+        return self.pusher.dtype if self.pusher is not None else None
+
     def pack(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[PackedBucket]:
         """The weights packed for the current group's wire dtype, to push later (``WeightPusher.pack``)."""
         assert self.pusher is not None

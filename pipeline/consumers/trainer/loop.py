@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-import msgpack
 import torch
 import torch.distributed as dist
 
@@ -32,13 +31,14 @@ from pipeline.consumers.trainer.drain import Batch
 from pipeline.consumers.trainer.hooks import HookRunner
 from pipeline.consumers.trainer.ledger import Ledger, LedgerLine
 from pipeline.consumers.trainer.profiling import StepProfiler
-from pipeline.consumers.trainer.push import PushSteps, close_pusher
+from pipeline.consumers.trainer.push import Owners, PushSteps, close_pusher
 from pipeline.consumers.trainer.staleness import lag_histogram
 from pipeline.queue.codec import decode_samples, encode_samples
 from pipeline.queue.redis_streams import RESUME_EVENT, SampleQueue
 from pipeline.queue.sample import Sample
 from pipeline.rundir import checkpoint_name, checkpoints_dir, latest_checkpoint, trainer_metrics_path
 from pipeline.sync.base import WeightPush
+from pipeline.sync.sources_push import broadcast_msgpack as broadcast_msgpack  # the ranks' batch travels so too
 
 if TYPE_CHECKING:
     from pipeline.consumers.trainer.snapshots import SnapshotWriter
@@ -200,8 +200,10 @@ class Trainer(PushSteps):
         loop: asyncio.AbstractEventLoop | None = None,
         dp_rank: int = 0,
         dp_size: int = 1,
+        owners: Owners | None = None,
     ) -> None:
         self.s = settings
+        self.owners = owners
         self.model, self.optimizer, self.step_fn = model, optimizer, step_fn
         self.export_weights = export_weights
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -472,20 +474,8 @@ class Trainer(PushSteps):
             self._push_thread.join()
         if self.lead is not None and self.lead.pusher is not None:
             self._loop.run_until_complete(close_pusher(self.lead.pusher))
+        if self.owners is not None and self.owners.sender is not None:
+            self.owners.sender.close(self._loop)
         self._loop.close()
         if self.lead is not None and self.lead.scalars is not None:
             self.lead.scalars.close()
-
-
-def broadcast_msgpack(obj: Any, group: Any) -> Any:
-    """Broadcast a msgpack-able object from rank 0 (pass None elsewhere)."""
-    if dist.get_rank() == 0:
-        data = msgpack.packb(obj, use_bin_type=True)
-        size = torch.tensor([len(data)], dtype=torch.int64)
-    else:
-        size = torch.zeros(1, dtype=torch.int64)
-    dist.broadcast(size, src=0, group=group)
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if dist.get_rank() == 0 else \
-        torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.broadcast(buf, src=0, group=group)
-    return msgpack.unpackb(buf.numpy().tobytes(), raw=False)

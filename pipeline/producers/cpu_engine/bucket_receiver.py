@@ -37,11 +37,12 @@ class BucketReceiver:
     async def receive(self, body: UpdateFromDistributedRequest, group: TpWeightGroup,
                               index: int | None = None) -> tuple[bool, str, int | None]:
         """Receive one checked bucket and queue its load: (success, message, HTTP status). An indexed bucket received
-        in place hands its turn (and ``update_lock``) on as soon as its receives have started, so the next bucket's
-        start behind them with no gap on the wire; every other receive holds both until its bytes are in."""
+        in place hands its turn (and its group's ``receive_lock``) on as soon as its receives have started, so the
+        next bucket's start behind them with no gap on the wire; every other receive holds both until its bytes are
+        in."""
         engine = self.engine
         serial = engine.window_serial
-        async with engine.update_lock:
+        async with engine.receive_lock(body.group_name):
             if not engine.update_window_open:  # closed while this request waited for the lock
                 return False, "the weight update window closed before this bucket's turn; nothing was received", None
             if not self._in_place(body, group):
@@ -125,7 +126,7 @@ class BucketReceiver:
         return receiving, issued
 
     async def quiet(self) -> None:
-        """Wait for in-place receives still in flight (``update_lock`` held: no new one starts)."""
+        """Wait for in-place receives still in flight (every ``receive_lock`` held: no new one starts)."""
         if self.engine.receiving:
             await asyncio.wait(list(self.engine.receiving))
 

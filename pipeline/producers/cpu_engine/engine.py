@@ -125,7 +125,9 @@ class Engine:
         self.pending_loads: list[Future[None]] = []
         """Buckets received and queued for loading between forward passes; ``/end_weight_update`` waits for them."""
         self.update_lock = asyncio.Lock()
-        """Serializes receives on the weight group and whole loads from disk (not SGLang's lock: that is the next)."""
+        """Taken by whole loads from disk, which also take every group's ``receive_lock`` (not SGLang's lock: that is
+        the next)."""
+        self.receive_locks: dict[str, asyncio.Lock] = {}
         self.model_update_lock = ModelUpdateLock()
         """SGLang's model-update lock: generations read, weight updates that come while not paused write."""
         self.gate = PauseGate()
@@ -209,8 +211,21 @@ class Engine:
             "prefix_cache": self.prefix_cache.enabled,
             # A pusher may announce the next bucket before this one is answered: each waits for its bucket_index.
             "ordered_updates": True,
+            # A push from several sources (every trainer rank sending the tensors it owns, each over its own group)
+            # may reach this engine at once: each group's receives are serialized on their own, not behind others'.
+            "concurrent_sources": True,
             "weight_groups": {name: [m.rank for m in g.members] for name, g in self.groups.items()},
         }
+
+    def receive_lock(self, group_name: str) -> asyncio.Lock:
+        """The lock that orders one weight group's receives (gloo matches a receive with the group's next broadcast).
+        Groups are independent: a receive on one never waits behind another's, so several sources pushing at once
+        cannot wait on each other through this engine (a wait another engine could take in the other order)."""
+        return self.receive_locks.setdefault(group_name, asyncio.Lock())
+
+    def all_receive_locks(self) -> list[asyncio.Lock]:
+        """Every joined group's ``receive_lock``, in group-name order."""
+        return [self.receive_lock(name) for name in sorted(self.groups)]
 
     def prompts_of(self, req: GenerateRequest) -> tuple[list[list[int]], bool]:
         """The request's prompts as token ids, and whether it was a batch (a list of prompts)."""

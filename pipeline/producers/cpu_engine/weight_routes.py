@@ -254,7 +254,7 @@ class WeightRoutes:
             return reply(False, f"invalid /update_weights_from_disk request: {exc}")
         if body.abort_all_requests:
             await self._abort_all("aborted by a weight update")  # before the writer lock, as SGLang does
-        async with self._exclusive(), engine.update_lock:
+        async with self._exclusive(), engine.update_lock, _all_held(engine.all_receive_locks()):
             await self.receiver.quiet()
             try:
                 tensors = await asyncio.to_thread(engine.weights.read_folder, body.model_path)
@@ -320,7 +320,8 @@ class WeightRoutes:
         """``POST /weight_group_probe`` ``{group_name, nbytes, prepare}`` (sluice only, for ``sluice bench sync``):
         with ``prepare``, allocate a buffer of ``nbytes``; without, receive one flat broadcast into it and drop it."""
         body = await json_body(request)
-        group = self.engine.groups.get(str(body.get("group_name", "weight_update_group")))
+        name = str(body.get("group_name", "weight_update_group"))
+        group = self.engine.groups.get(name)
         nbytes = body.get("nbytes")
         if group is None or not isinstance(nbytes, int) or nbytes <= 0:
             return reply(False, "weight_group_probe needs a joined group_name and nbytes > 0")
@@ -328,7 +329,7 @@ class WeightRoutes:
             if body.get("prepare"):
                 await asyncio.to_thread(group.prepare_probe, nbytes)
             else:
-                async with self.engine.update_lock:
+                async with self.engine.receive_lock(name):
                     await self.receiver.quiet()
                     await asyncio.to_thread(group.probe, nbytes)
         except (SluiceError, RuntimeError) as exc:
@@ -345,6 +346,20 @@ class WeightRoutes:
             return reply(False, flush_refused(load.num_waiting_reqs, load.num_running_reqs))
         return reply(*await asyncio.wrap_future(engine.scheduler.call(engine.flush_prefix_cache)))
 
+
+
+@asynccontextmanager
+async def _all_held(locks: list[asyncio.Lock]) -> AsyncIterator[None]:
+    """Every lock, taken in the order given (always the same order, so two holders cannot wait on each other)."""
+    taken: list[asyncio.Lock] = []
+    try:
+        for lock in locks:
+            await lock.acquire()
+            taken.append(lock)
+        yield
+    finally:
+        for lock in reversed(taken):
+            lock.release()
 
 
 async def _leave(group: TpWeightGroup) -> None:
