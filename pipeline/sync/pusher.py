@@ -158,6 +158,7 @@ class WeightPusher:
         """The other trainer ranks, each sending the tensors it owns (``pipeline.sync.sources_push``); None: this
         rank sends every tensor."""
         self._sources_joined = False  # whether the other sources joined groups with this pusher's engines
+        self._logged_sources = False
         self._concurrent: bool | None = None  # asked once: may every source send at once, or do they take turns
         self.tp_sizes: list[int] = [1] * len(self.engines)
         """Each engine's TP size (ranks it takes in a weight group), as ``connect`` was given them."""
@@ -215,7 +216,15 @@ class WeightPusher:
     def counters(self) -> dict[str, float]:
         """Refused prefix-cache flushes over every push (a stall raises here: only a rotation retries and counts
         them)."""
-        return {"flush_refused": float(self.flush_refused)}
+        return {"flush_refused": float(self.flush_refused), **self.source_counters()}
+
+    def source_counters(self) -> dict[str, float]:
+        """Of the last push from several sources: how many sent, and the share of the bytes rank 0 sent."""
+        total = sum(r.bytes for r in self.last_reports)
+        if not total:
+            return {}
+        return {"sources": float(sum(1 for r in self.last_reports if r.bytes)),
+                "rank0_share": self.last_reports[0].bytes / total}
 
     async def adopt(self, version: int, *, fresh: bool, model_path: str | None = None) -> list[Adoption]:
         """``adopt_engines`` over the engines that have its endpoints (all of them outside tests)."""
@@ -434,6 +443,10 @@ class WeightPusher:
                     turn = await sources.send(version, rank)
                     reports = [turn[r] if r == rank else reports[r] for r in range(len(turn))]
             self.last_reports = reports
+            if not self._logged_sources:
+                self._logged_sources = True
+                log.info("weight push %s from %d sources (%s bytes each); the label moves once all have landed",
+                         version, len(reports), [r.bytes for r in reports])
             failed = failures(reports)
             if failed is not None:
                 self._sources_joined = False  # a failed source's group may be out of step: each joins afresh

@@ -141,7 +141,8 @@ class EngineRotation:
 
     def counters(self) -> dict[str, float]:
         """Refused prefix-cache flushes and pushes abandoned as stalled, over this process's run."""
-        return {"flush_refused": float(self.flush_refused), "stalls": float(self.stalls)}
+        sources = self.pusher.source_counters() if self.pusher is not None else {}
+        return {"flush_refused": float(self.flush_refused), "stalls": float(self.stalls), **sources}
 
     @property
     def dtype(self) -> str | None:

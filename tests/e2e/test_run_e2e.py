@@ -102,9 +102,10 @@ def test_sluice_run_survives_kill_9_of_trainer_and_producer(tmp_path: Path) -> N
 
 
 def test_sluice_run_with_two_expert_parallel_trainer_ranks_survives_kill_9_of_rank_1(tmp_path: Path) -> None:
-    """Rank 0 gathers rank 1's experts for every push. Rank 1 is killed after the first checkpoint: rank 0's next
-    collective fails, the launcher restarts both ranks as one group, they resume from the checkpoint, and the run
-    finishes with every sample trained once."""
+    """Each rank pushes the experts it holds (and half the rest) over a weight group of its own, and the engine's
+    label moves once both landed. Rank 1 is killed after the first checkpoint: rank 0's next collective fails, the
+    launcher restarts both ranks as one group, they resume from the checkpoint, and the run finishes with every
+    sample trained once."""
     run_dir = tmp_path / "ep2"
     cmd = [sys.executable, "-m", "pipeline.cli", "run", "recipes/cpu-moe.toml", "--run-dir", str(run_dir),
            "--steps", "6", "--set", "trainer.world_size=2", "--set", "trainer.ep=2",
@@ -152,6 +153,10 @@ def test_sluice_run_with_two_expert_parallel_trainer_ranks_survives_kill_9_of_ra
     finally:
         handle.close(stop_server=True)
     assert sorted(p.name for p in (run_dir / "logs").glob("trainer-*.log")) == ["trainer-0.log", "trainer-1.log"]
+    rows = [json.loads(x) for x in (run_dir / "metrics" / "trainer.jsonl").read_text().splitlines()]
+    shares = [r["sync/rank0_share"] for r in rows if "sync/rank0_share" in r]
+    assert shares and all(r.get("sync/sources") == 2.0 for r in rows if "sync/sources" in r), rows[-1]
+    assert all(0.4 < share < 0.6 for share in shares), shares  # rank 0 sent about half, not the whole model
 
 
 def test_sluice_run_with_many_stale_drops_and_a_killed_producer_completes(tmp_path: Path) -> None:

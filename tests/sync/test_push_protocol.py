@@ -41,7 +41,8 @@ async def _every_member(push: WeightPush, client: SGLangClient, weights: Weights
     called: set[str] = set()
     seen: dict[str, Any] = {"isinstance": isinstance(push, WeightPush)}
     seen["engines"], seen["all"] = list(push.engines), list(push.all)
-    called |= {"engines", "all"}
+    seen["dtype"] = push.dtype
+    called |= {"engines", "all", "dtype"}
     seen["push"] = (await push.push(weights, 1)).weight_version
     seen["push_once"] = await push.push_once(lambda: iter(weights), 2)
     packed = push.pack(weights)
@@ -78,6 +79,7 @@ def test_both_pushers_answer_every_member_of_the_push_protocol(served: tuple[Ser
     assert seen["called"] == MEMBERS  # a member added to the protocol is added to this scenario too
     assert seen["isinstance"]
     assert seen["engines"] == [seen["client"]] and seen["all"] == [seen["client"]]
+    assert seen["dtype"] is None  # the connect above names no wire dtype: each tensor travels in its own
     assert seen["push"] == "1" and seen["push_once"] is not None and seen["push_once"].weight_version == "2"
     assert seen["pack"]
     assert seen["adopt"] == ["held"]

@@ -28,11 +28,14 @@ from pipeline.consumers.trainer.drain import Drainer
 from pipeline.consumers.trainer.hooks import HookRunner
 from pipeline.consumers.trainer.ledger import Ledger
 from pipeline.consumers.trainer.loop import RankZero, RedisClock, Trainer, TrainerSettings
+from pipeline.consumers.trainer.push import Owners
 from pipeline.consumers.trainer.snapshots import SnapshotWriter
 from pipeline.errors import ConfigError
 from pipeline.metrics import open_sinks
 from pipeline.rundir import base_model_dir, engines_path, latest_checkpoint, ledger_dir
 from pipeline.sync.base import WeightPush, WeightUpdateEngine
+from pipeline.sync.pusher import PushOptions
+from pipeline.sync.sources_push import SourcesLead
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +96,7 @@ def run_trainer(run_dir: Path, model_dir: Path,
         check_spec_weights(megatron_model, model_cfg, source=model, engine=engine)
     rank = dist.get_rank()
     loop = asyncio.new_event_loop()
+    owners = _owners(sync, megatron_model, model_cfg) if engines is not None else None  # collective
     lead: RankZero | None = None
     if rank == 0:
         from pipeline.queue.rundir import open_run
@@ -105,7 +109,8 @@ def run_trainer(run_dir: Path, model_dir: Path,
         lead = RankZero(source=source, clock=RedisClock(handle.queue), ledger=ledger)
         members = engines() if callable(engines) else engines
         if members:
-            lead.pusher = loop.run_until_complete(_connect_pusher(sync, members, run_dir, model_dir))
+            lead.pusher = loop.run_until_complete(_connect_pusher(
+                sync, members, run_dir, model_dir, sources=owners.lead if owners is not None else None))
         if heldout.enabled:
             lead.snapshots = SnapshotWriter.for_run(run_dir, model_dir, heldout, lead.clock.get())
         lead.scalars = open_sinks(run_dir, "trainer", metrics, run.name)
@@ -122,7 +127,7 @@ def run_trainer(run_dir: Path, model_dir: Path,
                                overlap_push=trainer.overlap_push, profile_steps=trainer.profile_steps)
     driver = Trainer(settings, model=megatron_model, optimizer=optimizer, step_fn=step, export_weights=export,
                      lead=lead, loop=loop, dp_rank=ps.get_data_parallel_rank(),
-                     dp_size=ps.get_data_parallel_world_size())
+                     dp_size=ps.get_data_parallel_world_size(), owners=owners)
     try:
         driver.train()
     finally:
@@ -160,14 +165,44 @@ def check_spec_weights(model: Any, model_cfg: Any, *, source: ModelSource, engin
                 "not refuses the first weight push)", shown)
 
 
+def _owners(sync: SyncConfig, megatron_model: Any, model_cfg: Any) -> Owners | None:
+    """Every rank's part in a push from every owner (``sync.sources = "owners"``), or None where rank 0 sends all.
+    Collective: the control channel and the owner plan are made by every rank together."""
+    import torch.distributed as dist
+
+    from pipeline.consumers.megatron.owners import OwnedExport
+    from pipeline.producers.sglang_client import SGLangClient
+    from pipeline.sync.share_sender import ShareSender
+    from pipeline.sync.sources_push import ControlChannel, SourcesLead
+
+    if sync.sources != "owners" or dist.get_world_size() == 1:
+        return None
+    control = ControlChannel.create(sync.timeout_s)
+    export = OwnedExport(megatron_model, model_cfg)
+    if control.rank == 0:
+        return Owners(export=export, lead=SourcesLead(control))
+    sender = ShareSender(control, SGLangClient, master_address=os.environ.get("SLUICE_NODE_IP", "127.0.0.1"),
+                         backend=_weight_backend(sync), timeout_s=sync.timeout_s, options=_push_options(sync, None))
+    return Owners(export=export, sender=sender)
+
+
+def _weight_backend(sync: SyncConfig) -> str:
+    return sync.backend if sync.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
+
+
+def _push_options(sync: SyncConfig, dtype: str | None) -> PushOptions:
+    return PushOptions(bucket_bytes=sync.bucket_mb * 2**20 if sync.bucket_mb else None, dtype=dtype,
+                       flat=sync.wire == "flat", stall_timeout_s=sync.stall_timeout_s)
+
+
 async def _connect_pusher(sync: SyncConfig, engines: Sequence[WeightUpdateEngine], run_dir: Path,
-                          model_dir: Path) -> WeightPush:
+                          model_dir: Path, sources: SourcesLead | None = None) -> WeightPush:
     """The push to the engines, routed around one that fails and re-syncing one that comes back
     (``pipeline.sync.rotation``), in the engines' dtype (``sync.dtype``)."""
-    from pipeline.sync.pusher import PushOptions, WeightPusher, engines_dtype, engines_tp
+    from pipeline.sync.pusher import WeightPusher, engines_dtype, engines_tp
     from pipeline.sync.rotation import EngineRotation
 
-    backend = sync.backend if sync.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
+    backend = _weight_backend(sync)
     port = sync.master_port  # 0: the pusher binds a port of the OS's choosing, then tells the engines
     # The engines connect to this rank's store: at the address its host reported, where other nodes reach it.
     address = os.environ.get("SLUICE_NODE_IP", "127.0.0.1")
@@ -179,9 +214,7 @@ async def _connect_pusher(sync: SyncConfig, engines: Sequence[WeightUpdateEngine
         ranks = await engines_tp(members)
         return await WeightPusher.connect(
             members, master_address=address, master_port=port, backend=backend, timeout_s=sync.timeout_s,
-            ranks_per_engine=ranks,
-            options=PushOptions(bucket_bytes=sync.bucket_mb * 2**20 if sync.bucket_mb else None, dtype=dtype,
-                                flat=sync.wire == "flat", stall_timeout_s=sync.stall_timeout_s),
+            ranks_per_engine=ranks, options=_push_options(sync, dtype), sources=sources,
         )
 
     def discover(known: list[WeightUpdateEngine]) -> list[WeightUpdateEngine]:

@@ -9,15 +9,32 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from pipeline.errors import SyncError
 from pipeline.sync.base import WeightPush
 from pipeline.sync.packing import PackedBucket
+from pipeline.sync.share_sender import ShareSender
+from pipeline.sync.sources_push import SourcesLead
 
 if TYPE_CHECKING:
     from pipeline.consumers.trainer.loop import RankZero, TrainerSettings
+
+
+@dataclass
+class Owners:
+    """This rank's part in a push from every owner (``sync.sources = "owners"``, docs/weight-push.md)."""
+
+    export: Callable[[], Iterable[tuple[str, torch.Tensor]]]
+    """The tensors this rank owns (``pipeline.consumers.megatron.owners.OwnedExport``); collective."""
+    lead: SourcesLead | None = None
+    """Rank 0's side of the control channel (its pusher was given the same one)."""
+    sender: ShareSender | None = None
+    """Every other rank's source."""
 
 
 class PushSteps:
@@ -28,6 +45,7 @@ class PushSteps:
     export_weights: Any
     version: int
     step: int
+    owners: Owners | None
     _stop: bool
     _distributed: bool
     _loop: asyncio.AbstractEventLoop
@@ -52,8 +70,14 @@ class PushSteps:
         version = self.version + 1  # the version being pushed; the clock follows once the engines have it
         lead = self.lead
         pusher = lead.pusher if lead is not None else None
-        streamed = (not overlap and lead is not None and pusher is not None
-                    and not (lead.snapshots is not None and lead.snapshots.due(version, final)))
+        due = lead is not None and lead.snapshots is not None and lead.snapshots.due(version, final)
+        if self.owners is not None:
+            decided = self._share({"push": pusher is not None, "full": due,
+                                   "dtype": pusher.dtype if pusher is not None else None})
+            if decided["push"]:
+                self._push_from_owners(self.owners, version, overlap, final, decided)
+                return
+        streamed = not overlap and lead is not None and pusher is not None and not due
         if self._distributed:
             streamed = bool(self._share({"streamed": streamed})["streamed"])  # rank 0 decides for every rank
         if streamed:
@@ -70,6 +94,51 @@ class PushSteps:
         else:
             self._send(lead, weights, version, self.step, final)
             self.finish_push()
+
+    def _push_from_owners(self, owners: Owners, version: int, overlap: bool, final: bool,
+                          decided: dict[str, Any]) -> None:
+        """Every rank packs the tensors it owns (rank 0 packs the whole model when a held-out snapshot is due, as
+        that needs every weight in one place), then sends them while the next step trains (``overlap``) or before
+        it. Rank 0 leads: its pusher has the others send their shares and moves the engines' label once all have
+        landed (``pipeline.sync.sources_push``)."""
+        named = self.export_weights() if decided["full"] else owners.export()  # collective either way
+        lead = self.lead
+        if lead is not None:
+            assert lead.pusher is not None and owners.lead is not None
+            weights: list[Any] = lead.pusher.pack(named)
+            self.version = version
+            target: Callable[[], None] = lambda: self._lead_sources(lead, owners.lead, weights, version,  # noqa: E731
+                                                                    self.step, final)
+        else:
+            assert owners.sender is not None
+            if decided["full"]:
+                for _ in named:  # rank 0 sends it all; this rank only takes part in the gathers
+                    pass
+                weights = []
+            else:
+                weights = owners.sender.pack(named, decided["dtype"])
+            target = lambda: self._serve_sources(owners.sender, weights)  # noqa: E731
+        if overlap:
+            self._push_thread = threading.Thread(target=target, name="weight-push", daemon=True)
+            self._push_thread.start()
+        else:
+            target()
+            self.finish_push()
+
+    def _lead_sources(self, lead: RankZero, sources: SourcesLead, weights: list[Any], version: int, step: int,
+                      final: bool) -> None:
+        self._send(lead, weights, version, step, final)
+        try:
+            self._loop.run_until_complete(sources.done())  # the others wait for it, landed or not
+        except BaseException as exc:  # noqa: BLE001 - raised by finish_push, after the push's own error
+            self._push_error = self._push_error or exc
+
+    def _serve_sources(self, sender: ShareSender | None, weights: list[Any]) -> None:
+        assert sender is not None
+        try:
+            sender.serve(weights, self._loop)
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the trainer's thread by finish_push
+            self._push_error = exc
 
     def _push_counters(self) -> dict[str, float]:
         """Running totals of the push's trouble: engines that kept their prefix cache after a push (SGLang refuses a
