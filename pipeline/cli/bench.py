@@ -70,6 +70,17 @@ def cmd_bench_sync(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_sync_sources(args: argparse.Namespace) -> int:
+    from dataclasses import fields
+
+    from pipeline.benchmarks.sync_sources import SourcesBenchParams, run_sources_bench, summary_lines
+
+    params = SourcesBenchParams(**{f.name: getattr(args, f.name) for f in fields(SourcesBenchParams)})
+    res = run_sources_bench(params)
+    show(args, res, lambda r: print("\n".join(summary_lines(r))))
+    return 0
+
+
 def cmd_bench_pipeline(args: argparse.Namespace) -> int:
     from dataclasses import fields
 
@@ -110,6 +121,11 @@ def register(sub: Any) -> None:
     p.add_argument("--json", action="store_true")
     add_dataclass_args(p, "pipeline.benchmarks.sync", "SyncBenchParams")
     p.set_defaults(func=cmd_bench_sync)
+    p = bsub.add_parser("sync-sources", help="the push from every owner against rank 0 pushing alone: the trainer's "
+                                             "blocked time, rank 0's bytes, sources killed mid-push")
+    p.add_argument("--json", action="store_true")
+    add_dataclass_args(p, "pipeline.benchmarks.sync_sources", "SourcesBenchParams")
+    p.set_defaults(func=cmd_bench_sync_sources)
     p = bsub.add_parser("pipeline", help="samples trained per second, async vs sync on one recipe, against the "
                                          "perfect-overlap bound")
     p.add_argument("--json", action="store_true")

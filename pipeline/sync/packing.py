@@ -101,7 +101,7 @@ class BucketSlots:
         with self._cond:
             self._taken -= 1
             self.live_bytes -= buf.numel()
-            if self.count is not None and buf.numel() == self.bucket_bytes and len(self._free) < self.count:
+            if buf.numel() == self.bucket_bytes and (self.count is None or len(self._free) < self.count):
                 self._free.append(buf)
             self._cond.notify_all()
 
@@ -147,6 +147,10 @@ class PackedBucket:
         if self.parts is not None:
             return [(m.name, t) for m, t in zip(self.metas, self.parts, strict=True)]
         return unpack(self.metas, self.flat)
+
+    def keep(self) -> None:
+        """The buffer stays with this bucket for good: ``release`` does nothing from now on."""
+        self._release = None
 
     def release(self) -> None:
         """Give the buffer back to its packer (streamed buckets); a no-op for a snapshot's and a zero-copy one's."""
@@ -310,13 +314,16 @@ class BucketPacker:
                 pass
             self.stats.peak_buffer_bytes = self.slots.peak_bytes
 
-    def pack_all(self, named: Iterable[tuple[str, torch.Tensor]]) -> list[PackedBucket]:
-        """Every weight packed at once (no buffer limit): a snapshot that stays valid while the parameters change."""
+    def pack_all(self, named: Iterable[tuple[str, torch.Tensor]], *, releasable: bool = False) -> list[PackedBucket]:
+        """Every weight packed at once (no buffer limit): a snapshot that stays valid while the parameters change.
+        With ``releasable``, each bucket's ``release`` gives its buffer back to this packer's slots for the next
+        snapshot (``SnapshotPool``); otherwise the buffers live as long as the snapshot does."""
         self.slots.count = None
         self.zero_copy_bytes = None  # a snapshot is copies by definition: the parameters keep training under it
         buckets = [bucket for bucket, _ in self.stream(named)]
-        for bucket in buckets:
-            bucket._release = None  # a snapshot's buffers live as long as it does
+        if not releasable:
+            for bucket in buckets:
+                bucket._release = None
         return buckets
 
     def _full_size(self, current: _OpenBucket | None) -> int:

@@ -7,16 +7,12 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
-
-import torch
+from collections.abc import Callable, Sequence
 
 from pipeline.errors import SyncError
 from pipeline.sync.base import WeightSource, WeightUpdateEngine
-from pipeline.sync.packing import BucketPacker, PackedBucket
 from pipeline.sync.pusher import PushOptions, WeightPusher
 from pipeline.sync.sources_push import SOURCE_GROUP, ControlChannel, SourceReport
-from pipeline.sync.weights import DEFAULT_BUCKET_BYTES
 
 log = logging.getLogger(__name__)
 _LEAVE_TIMEOUT_S = 10.0
@@ -39,14 +35,6 @@ class ShareSender:
         self.pusher: WeightPusher | None = None
         self._clients: dict[str, WeightUpdateEngine] = {}
         self._joins = 0
-
-    def pack(self, named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: str | None) -> list[PackedBucket]:
-        """This rank's share cast to ``dtype`` (rank 0's wire dtype) and packed now, copied, for a push later."""
-        bucket_bytes = self.options.bucket_bytes or DEFAULT_BUCKET_BYTES[self.backend]
-        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
-        packer = BucketPacker(bucket_bytes=bucket_bytes, dtype=dtype, device=device,
-                              expected=self.options.expected, slots=None)
-        return packer.pack_all(named_tensors)
 
     def serve(self, weights: WeightSource, loop: asyncio.AbstractEventLoop) -> None:
         """Answer rank 0 until it says this push is done (every retry of it included)."""

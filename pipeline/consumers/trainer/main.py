@@ -173,17 +173,24 @@ def _owners(sync: SyncConfig, megatron_model: Any, model_cfg: Any) -> Owners | N
     from pipeline.consumers.megatron.owners import OwnedExport
     from pipeline.producers.sglang_client import SGLangClient
     from pipeline.sync.share_sender import ShareSender
+    from pipeline.sync.snapshot_pool import SnapshotPool
     from pipeline.sync.sources_push import ControlChannel, SourcesLead
+    from pipeline.sync.weights import DEFAULT_BUCKET_BYTES
 
     if sync.sources != "owners" or dist.get_world_size() == 1:
         return None
     control = ControlChannel.create(sync.timeout_s)
     export = OwnedExport(megatron_model, model_cfg)
+    backend = _weight_backend(sync)
+    # The snapshot lives where the group sends from: host memory for gloo. An NCCL group sends from the device, so
+    # its snapshot is there too (a host snapshot copied up bucket by bucket is not built yet).
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    pool = SnapshotPool(sync.bucket_mb * 2**20 if sync.bucket_mb else DEFAULT_BUCKET_BYTES[backend], device)
     if control.rank == 0:
-        return Owners(export=export, lead=SourcesLead(control))
+        return Owners(export=export, lead=SourcesLead(control), pool=pool)
     sender = ShareSender(control, SGLangClient, master_address=os.environ.get("SLUICE_NODE_IP", "127.0.0.1"),
-                         backend=_weight_backend(sync), timeout_s=sync.timeout_s, options=_push_options(sync, None))
-    return Owners(export=export, sender=sender)
+                         backend=backend, timeout_s=sync.timeout_s, options=_push_options(sync, None))
+    return Owners(export=export, sender=sender, pool=pool)
 
 
 def _weight_backend(sync: SyncConfig) -> str:

@@ -19,6 +19,7 @@ from pipeline.errors import SyncError
 from pipeline.sync.base import WeightPush
 from pipeline.sync.packing import PackedBucket
 from pipeline.sync.share_sender import ShareSender
+from pipeline.sync.snapshot_pool import SnapshotPool
 from pipeline.sync.sources_push import SourcesLead
 
 if TYPE_CHECKING:
@@ -35,6 +36,8 @@ class Owners:
     """Rank 0's side of the control channel (its pusher was given the same one)."""
     sender: ShareSender | None = None
     """Every other rank's source."""
+    pool: SnapshotPool | None = None
+    """This rank's snapshot buffers, kept from push to push."""
 
 
 class PushSteps:
@@ -103,9 +106,13 @@ class PushSteps:
         landed (``pipeline.sync.sources_push``)."""
         named = self.export_weights() if decided["full"] else owners.export()  # collective either way
         lead = self.lead
+        assert owners.pool is not None
+        owners.pool.recycle()  # the push before is over (finish_push); a full one's buffers were given away
         if lead is not None:
             assert lead.pusher is not None and owners.lead is not None
-            weights: list[Any] = lead.pusher.pack(named)
+            weights: list[Any] = owners.pool.pack(named, decided["dtype"])
+            if decided["full"]:
+                owners.pool.forget()  # the held-out snapshot is written from these buffers, in the background
             self.version = version
             target: Callable[[], None] = lambda: self._lead_sources(lead, owners.lead, weights, version,  # noqa: E731
                                                                     self.step, final)
@@ -116,7 +123,7 @@ class PushSteps:
                     pass
                 weights = []
             else:
-                weights = owners.sender.pack(named, decided["dtype"])
+                weights = owners.pool.pack(named, decided["dtype"])
             target = lambda: self._serve_sources(owners.sender, weights)  # noqa: E731
         if overlap:
             self._push_thread = threading.Thread(target=target, name="weight-push", daemon=True)
