@@ -26,6 +26,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 from pipeline.net import free_port  # noqa: E402
 from pipeline.producers.sglang_client import NO_RETRY, SGLangClient  # noqa: E402
+from pipeline.sync.pusher import PushOptions  # noqa: E402
 from tests.helpers.engines import pushing, start_engine  # noqa: E402
 from tests.helpers.train_samples import finish_ranks, start_ranks  # noqa: E402
 
@@ -70,7 +71,7 @@ def _rank(rank: int, port: int, urls: list[str], new_dir: Path, out: Path, scena
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     control = ControlChannel.create(timeout_s=60)
     loop = asyncio.new_event_loop()
-    options = PushOptions(bucket_bytes=64 * 1024)
+    options = PushOptions(bucket_bytes=64 * 1024, dtype="bfloat16" if scenario == "sglang" else None)
     if rank == 1:
         sender = ShareSender(control, lambda url: SGLangClient(url, retry=NO_RETRY), master_address="127.0.0.1",
                              backend="gloo", timeout_s=60, options=options)
@@ -111,6 +112,8 @@ def _rank(rank: int, port: int, urls: list[str], new_dir: Path, out: Path, scena
             pusher.sources = None
             stats = await pusher.push(_shares(new_dir, 0) + _shares(new_dir, 1), "2")
             results["alone"] = {"bytes": stats.bytes, "labels": await _labels(urls)}
+        else:
+            await pusher.close()  # the engines leave the group: a later pusher may take its name
         for c in clients:
             await c.close()
         return results
@@ -133,6 +136,43 @@ def models(tmp_path: Path) -> tuple[Path, Path]:
 
     return (init_tiny_model("qwen3-moe", tmp_path / "old", seed=0),
             init_tiny_model("qwen3-moe", tmp_path / "new", seed=1))
+
+
+@pytest.mark.sglang
+def test_two_sources_take_turns_into_a_real_sglang_server(models: tuple[Path, Path], tmp_path: Path) -> None:
+    """Stock SGLang 0.5.23 takes a group per source (``group_name``) but receives one update at a time, so the
+    sources take turns; the label moves once, and the weights are those one source's push gives."""
+    from tests.helpers.sglang_server import require_sglang, start_server
+
+    python = require_sglang()
+    old_dir, new_dir = models
+    server = start_server(old_dir, tmp_path / "sglang", python=python)
+    try:
+        async def says_concurrent() -> bool:
+            async with SGLangClient(server.url, retry=NO_RETRY) as client:
+                return await client.concurrent_sources()
+
+        assert not asyncio.run(says_concurrent())
+        before = asyncio.run(_generate(server.url))
+        procs = start_ranks(__file__, [str(free_port()), json.dumps([server.url]), str(new_dir), str(tmp_path),
+                                       "sglang"])
+        finish_ranks(procs, timeout_s=300)
+        results = json.loads((tmp_path / "sglang.json").read_text())
+        print(json.dumps(results, indent=1))
+        assert results["1"]["ok"] and results["labels-1"] == ["1"]
+        assert all(b > 0 for b in results["1"]["bytes"]), "each source sends its own share"
+        two_sources = asyncio.run(_generate(server.url))
+        assert two_sources != before, "the push changed nothing the check could see"
+
+        async def single() -> None:
+            client = SGLangClient(server.url, retry=NO_RETRY)
+            async with pushing(server.url, client, PushOptions(dtype="bfloat16")) as (_c, pusher):
+                await pusher.push(_shares(new_dir, 0) + _shares(new_dir, 1), "2")
+
+        asyncio.run(single())
+        assert asyncio.run(_generate(server.url)) == two_sources, "two sources did not give one source's weights"
+    finally:
+        server.stop()
 
 
 def test_two_sources_land_as_one_and_a_failed_source_moves_no_label(models: tuple[Path, Path],
