@@ -22,6 +22,9 @@ class HardwareConfig(BaseModel):
     usable_fraction: float = Field(0.9, gt=0, le=1)
     """Share of gpu_memory_gib a rank may plan to use (the CUDA context, NCCL buffers and fragmentation take the
     rest)."""
+    host_memory_gib: float | None = Field(None, gt=0, le=1 << 20)
+    """Host (CPU) memory of one node; set, the dry run refuses a weight-push snapshot in pinned host memory
+    (sync.snapshot) whose share of every trainer rank of a node does not fit in usable_fraction of it."""
     gpus_per_node: int = Field(8, ge=1, le=1024)
     """GPUs per node."""
     trainer_nodes: int | None = Field(None, ge=1, le=100_000)

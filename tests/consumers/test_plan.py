@@ -48,7 +48,7 @@ def test_gpu_recipe_dry_run_prints_a_plan_that_fits(recipe: Path, capsys: pytest
     plan = out[out.index("memory plan per trainer rank") :]
     print(plan)
     gib = {kind: float(v) for kind, v in re.findall(r"^  (\w+) +([\d.]+) GiB", plan, re.MULTILINE)}
-    assert set(gib) == {"parameters", "gradients", "optimizer", "activations", "total"}
+    assert set(gib) == {"parameters", "gradients", "optimizer", "activations", "push", "total"}
     assert gib["total"] == pytest.approx(sum(v for k, v in gib.items() if k != "total"), abs=0.05)
     usable = float(re.search(r"of ([\d.]+) GiB usable", plan).group(1))  # type: ignore[union-attr]
     assert 0 < gib["total"] <= usable

@@ -19,6 +19,11 @@ in fp32, plus fp32 master copies for low-precision parameters.
 Sharding follows megatron-core: tensor parallelism (TP) splits attention heads, MLP columns and the vocabulary
 (MLA's two down-projections stay whole on every TP rank, as TransformerEngine's spec keeps them); experts are split
 over EP x ETP ranks, where megatron sets the expert-tensor-parallel size ETP to TP.
+
+The weight push (``plan_push``, docs/weight-push.md) adds, in the wire dtype: the snapshot of the tensors this rank
+sends (with ``trainer.overlap_push``), on the GPU or in pinned host memory (``sync.snapshot``); two bucket buffers;
+and the gather of a sharded tensor by its owner. With ``sync.sources = "owners"`` a rank sends about its experts'
+share and 1/world of the dense weights; with ``"rank0"`` rank 0 sends the whole model.
 """
 
 from __future__ import annotations
@@ -30,12 +35,16 @@ from typing import Literal
 
 from pipeline.config.hardware import HardwareConfig
 from pipeline.config.model import ModelSource
+from pipeline.config.sync import SyncConfig
 from pipeline.config.trainer import TrainerConfig
 from pipeline.errors import ConfigError
 from pipeline.models.config import ModelConfig
 
 GIB = 1 << 30
+MIB = 1 << 20
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
 @dataclass(frozen=True)
 class Layout:
     """Parallel sizes of the trainer (PP is 1: see ``TrainerConfig.pp``)."""
@@ -145,6 +154,83 @@ def activation_bytes(model: ModelConfig, layout: Layout, tokens: int) -> int:
 
 
 @dataclass(frozen=True)
+class PushPlan:
+    """What the weight push holds on the trainer rank that sends the most (docs/weight-push.md)."""
+
+    sources: Literal["owners", "rank0"]
+    """``sync.sources``: every rank sends the tensors it owns, or rank 0 sends them all."""
+    setting: Literal["auto", "device", "host"]
+    """``sync.snapshot`` as the recipe asks it; ``where`` is what it came to."""
+    wire_dtype: str
+    share: int
+    """Bytes this rank sends per push, in the wire dtype (an upper bound in owners mode)."""
+    snapshot: int
+    """Bytes of the snapshot of ``share``; 0 when the push streams from the live weights (no ``overlap_push``)."""
+    where: Literal["device", "host"]
+    """Where the snapshot lives: the rank's device (on CPU: its memory) or pinned host memory."""
+    bucket: int
+    """One bucket buffer; the sender keeps two (the one on the wire and the one packed ahead)."""
+    gather: int
+    """An owner gathering a sharded tensor holds its parts and the joined whole at once: twice the largest."""
+
+    @property
+    def device_bytes(self) -> int:
+        return 2 * self.bucket + self.gather + (self.snapshot if self.where == "device" else 0)
+
+    @property
+    def host_bytes(self) -> int:
+        return self.snapshot if self.where == "host" else 0
+
+
+def _dense_tensors(model: ModelConfig) -> list[tuple[int, bool]]:
+    """(elements, split over TP) of each kind of megatron dense tensor: the units an owner gathers and sends."""
+    h = model.hidden_size
+    tensors = [(model.vocab_size * h, True), *_attention_params(model)]  # an untied output layer: the embedding's
+    if model.num_layers > model.num_moe_layers:
+        tensors += [(2 * h * model.ffn_hidden_size, True), (h * model.ffn_hidden_size, True)]  # fc1 = cat(gate, up)
+    if model.is_moe:
+        tensors.append((model.num_experts * h, False))
+    if shared := model.shared_expert_ffn_hidden_size:
+        tensors += [(2 * h * shared, True), (h * shared, True)]
+    return tensors
+
+
+def plan_push(model: ModelConfig, layout: Layout, *, device: Literal["cuda", "cpu"], sync: SyncConfig,
+              overlap_push: bool, room: int | None) -> PushPlan:
+    """The weight push's memory on its busiest source under ``layout``; ``room`` is what the device has left after
+    training (None: no limit known), which ``sync.snapshot = "auto"`` fills before it goes to the host."""
+    counts = count_parameters(model, layout)
+    wire_dtype = model.dtype if sync.dtype == "auto" else sync.dtype
+    elem = _BYTES[wire_dtype]
+    dense = _dense_tensors(model)
+    sharded = [n for n, split in dense if split] if layout.tp > 1 else []
+    expert_fc1 = 2 * model.hidden_size * model.moe_ffn_hidden_size if model.is_moe else 0
+    if sync.sources == "rank0":
+        share = counts.total * elem
+        # rank 0 also takes every expert from the rank that holds it
+        gathered = sharded + ([expert_fc1] if layout.ep * layout.etp > 1 else [])
+    else:
+        # Experts are owned only by expert-data-parallel replica 0, one ETP rank per tensor; the dense tensors are
+        # spread over every rank by bytes, and whole tensors can overshoot an even split by at most the largest.
+        largest = max(n for n, _ in dense)
+        share = min(counts.expert // (layout.ep * layout.etp) + counts.dense // layout.world_size + largest,
+                    counts.total) * elem
+        gathered = sharded + ([expert_fc1] if layout.etp > 1 else [])
+    bucket = (sync.bucket_mb or (512 if device == "cuda" else 256)) * MIB
+    gather = 2 * max(gathered, default=0) * elem
+    snapshot = share if overlap_push else 0
+    where: Literal["device", "host"]
+    if device == "cpu" or sync.snapshot == "device":
+        where = "device"
+    elif sync.snapshot == "host":
+        where = "host"
+    else:
+        where = "device" if room is None or 2 * bucket + gather + snapshot <= room else "host"
+    return PushPlan(sources=sync.sources, setting=sync.snapshot, wire_dtype=wire_dtype, share=share,
+                    snapshot=snapshot, where=where, bucket=bucket, gather=gather)
+
+
+@dataclass(frozen=True)
 class MemoryPlan:
     """Bytes one trainer rank holds, by kind."""
 
@@ -157,15 +243,24 @@ class MemoryPlan:
     optimizer: int
     reference: int
     activations: int
+    push: PushPlan
+    """The weight push; its device part is in ``total``, a snapshot in host memory is not."""
+
+    @property
+    def training(self) -> int:
+        """Everything but the push."""
+        return self.params + self.grads + self.optimizer + self.reference + self.activations
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.reference + self.activations
+        return self.training + self.push.device_bytes
 
 
 def plan_memory(model: ModelConfig, layout: Layout, *, device: Literal["cuda", "cpu"], tokens: int,
-                kl_reference: bool) -> MemoryPlan:
-    """The per-rank memory of training ``model`` under ``layout`` with micro-batches of ``tokens`` tokens."""
+                kl_reference: bool, sync: SyncConfig | None = None, overlap_push: bool = True,
+                usable: int | None = None) -> MemoryPlan:
+    """The per-rank memory of training ``model`` under ``layout`` with micro-batches of ``tokens`` tokens, and of
+    pushing its weights; ``usable`` is the device memory a rank may fill (None: unknown)."""
     counts = count_parameters(model, layout)
     elem = _BYTES[model.dtype]
     params = counts.rank_total * elem
@@ -175,9 +270,13 @@ def plan_memory(model: ModelConfig, layout: Layout, *, device: Literal["cuda", "
     else:
         grads = counts.rank_total * elem
         optimizer = counts.rank_total * (8 + (4 if elem < 4 else 0))
+    reference = params if kl_reference else 0
+    activations = activation_bytes(model, layout, tokens)
+    training = params + grads + optimizer + reference + activations
+    push = plan_push(model, layout, device=device, sync=sync or SyncConfig(), overlap_push=overlap_push,
+                     room=None if usable is None else usable - training)
     return MemoryPlan(counts=counts, layout=layout, device=device, tokens=tokens, params=params, grads=grads,
-                      optimizer=optimizer, reference=params if kl_reference else 0,
-                      activations=activation_bytes(model, layout, tokens))
+                      optimizer=optimizer, reference=reference, activations=activations, push=push)
 
 
 def gpu_layout_problems(model: ModelConfig, layout: Layout) -> list[str]:
@@ -222,10 +321,12 @@ def plan_model_config(model: ModelSource, hardware: HardwareConfig) -> tuple[Mod
     return ModelConfig.from_hf(json.loads(source.read_text())), str(source)
 
 
-def dry_run_plan(trainer: TrainerConfig, model: ModelSource, hardware: HardwareConfig) -> str:
-    """The dry run's plan: the model, the layout and one rank's memory; ConfigError for a layout that cannot run
-    or cannot fit (every reason at once)."""
+def dry_run_plan(trainer: TrainerConfig, model: ModelSource, hardware: HardwareConfig,
+                 sync: SyncConfig | None = None) -> str:
+    """The dry run's plan: the model, the layout and one rank's memory, the weight push's included; ConfigError for
+    a layout that cannot run or cannot fit (every reason at once, and the settings that would make it fit)."""
     hw = hardware
+    sync = sync or SyncConfig()
     model_cfg, source = plan_model_config(model, hardware)
     layout = Layout(world_size=trainer.world_size, tp=trainer.tp, ep=trainer.ep)
     problems = gpu_layout_problems(model_cfg, layout)
@@ -237,18 +338,76 @@ def dry_run_plan(trainer: TrainerConfig, model: ModelSource, hardware: HardwareC
     device: Literal["cuda", "cpu"] = "cuda" if hw.gpu_memory_gib is not None else "cpu"
     tokens = (trainer.micro_batch_tokens
               or trainer.micro_batch_samples * (hw.seq_len or model_cfg.max_position_embeddings))
-    plan = plan_memory(model_cfg, layout, device=device, tokens=tokens, kl_reference=trainer.loss.kl_coef > 0)
+    usable = _usable(hw)
+
+    def plan_with(sync: SyncConfig, overlap_push: bool) -> MemoryPlan:
+        return plan_memory(model_cfg, layout, device=device, tokens=tokens, kl_reference=trainer.loss.kl_coef > 0,
+                           sync=sync, overlap_push=overlap_push, usable=usable)
+
+    plan = plan_with(sync, trainer.overlap_push)
     text = format_plan(plan, model_cfg, source, hardware)
-    if hw.gpu_memory_gib is not None:
-        usable = hw.usable_fraction * hw.gpu_memory_gib * GIB
-        if plan.total > usable:
-            raise ConfigError(
-                f"{text}\nthis layout cannot fit: one rank needs about {plan.total / GIB:.1f} GiB, and "
-                f"{hw.usable_fraction:g} x {hw.gpu_memory_gib:g} GiB = {usable / GIB:.1f} GiB is usable; raise ep "
-                "(experts over more ranks), tp, or trainer.world_size, or lower micro_batch_samples / "
-                "micro_batch_tokens"
-            )
-    return text
+    overflow = _overflow(plan, hw)
+    if not overflow:
+        return text
+    shrink = ("raise ep (experts over more ranks), tp, or trainer.world_size, or lower micro_batch_samples / "
+              "micro_batch_tokens")
+    if usable is not None and plan.training > usable:
+        raise ConfigError(f"{text}\nthis layout cannot fit: {'; '.join(overflow)}; {shrink}")
+    # Training fits and the push does not: name the push settings that would make it fit, each tried in full.
+    fixes = [label for label, fix, overlap in _push_fixes(plan, sync, trainer.overlap_push, usable)
+             if not _overflow(plan_with(fix, overlap), hw)]
+    advice = "set " + ", or ".join(fixes) if fixes else shrink
+    raise ConfigError(f"{text}\nthis layout cannot fit its weight push: {'; '.join(overflow)}; {advice}")
+
+
+def _push_fixes(plan: MemoryPlan, sync: SyncConfig, overlap_push: bool,
+                usable: int | None) -> list[tuple[str, SyncConfig, bool]]:
+    """Push settings that might make ``plan`` fit: (what to set, the sync config, overlap_push) to re-plan with."""
+    push = plan.push
+    fixes: list[tuple[str, SyncConfig, bool]] = []
+    if push.snapshot and push.where == "device":
+        fixes.append(('sync.snapshot = "host" (the snapshot in pinned host memory)',
+                      sync.model_copy(update={"snapshot": "host"}), overlap_push))
+    if push.host_bytes:
+        fixes.append(('sync.snapshot = "device"', sync.model_copy(update={"snapshot": "device"}), overlap_push))
+    if push.sources == "rank0":
+        fixes.append(('sync.sources = "owners" (each rank sends the tensors it holds)',
+                      sync.model_copy(update={"sources": "owners"}), overlap_push))
+    if push.snapshot:
+        fixes.append(("trainer.overlap_push = false (no snapshot: the push streams from the live weights, and the "
+                      "next step waits for it)", sync, False))
+    if usable is not None:
+        bucket_mb = (usable - (plan.total - 2 * push.bucket)) // (2 * MIB)
+        if 1 <= bucket_mb < push.bucket // MIB:
+            fixes.append((f"sync.bucket_mb = {bucket_mb}", sync.model_copy(update={"bucket_mb": bucket_mb}),
+                          overlap_push))
+    return fixes
+
+
+def _usable(hw: HardwareConfig) -> int | None:
+    return None if hw.gpu_memory_gib is None else int(hw.usable_fraction * hw.gpu_memory_gib * GIB)
+
+
+def _host_need(plan: MemoryPlan, hw: HardwareConfig) -> int:
+    """Pinned host memory the push's snapshots take on the busiest node (rank0 mode: rank 0's alone)."""
+    senders = 1 if plan.push.sources == "rank0" else min(hw.gpus_per_node, plan.layout.world_size)
+    return senders * plan.push.host_bytes
+
+
+def _overflow(plan: MemoryPlan, hw: HardwareConfig) -> list[str]:
+    """Why ``plan`` does not fit ``hw``; [] when it does."""
+    reasons = []
+    usable = _usable(hw)
+    if usable is not None and plan.total > usable:
+        push = f", {plan.push.device_bytes / GIB:.1f} GiB of it the weight push" if plan.push.device_bytes else ""
+        reasons.append(f"one rank needs about {plan.total / GIB:.1f} GiB{push}, and {hw.usable_fraction:g} x "
+                       f"{hw.gpu_memory_gib:g} GiB = {usable / GIB:.1f} GiB is usable")
+    host = _host_need(plan, hw)
+    if hw.host_memory_gib is not None and host > hw.usable_fraction * hw.host_memory_gib * GIB:
+        reasons.append(f"the push's snapshots take {host / GIB:.1f} GiB of pinned host memory on a node, and "
+                       f"{hw.usable_fraction:g} x hardware.host_memory_gib = "
+                       f"{hw.usable_fraction * hw.host_memory_gib:.1f} GiB is usable")
+    return reasons
 
 
 def format_plan(plan: MemoryPlan, model: ModelConfig, source: str, hardware: HardwareConfig) -> str:
@@ -271,14 +430,44 @@ def format_plan(plan: MemoryPlan, model: ModelConfig, source: str, hardware: Har
         lines.append(f"  reference  {_gib(plan.reference)}  (KL anchor, parameters only)")
     lines.append(f"  activations {_gib(plan.activations)[1:]}  (estimate: micro-batch of {plan.tokens} tokens, "
                  "no recomputation)")
+    lines.append(f"  push       {_gib(plan.push.device_bytes)}  ({_describe_push(plan, model)})")
     total = f"  total      {_gib(plan.total)}"
     if hw.gpu_memory_gib is not None:
         total += f"  of {hw.usable_fraction * hw.gpu_memory_gib:.1f} GiB usable ({hw.gpu_memory_gib:g} GiB GPU)"
     lines.append(total)
+    if plan.push.host_bytes:
+        host = f"  host memory: {plan.push.host_bytes / GIB:.2f} GiB pinned per sending rank (the push's snapshot)"
+        if plan.push.sources == "owners":
+            host += f", {_host_need(plan, hw) / GIB:.1f} GiB per node"
+        if hw.host_memory_gib is not None:
+            host += f" of {hw.usable_fraction * hw.host_memory_gib:.1f} GiB usable"
+        lines.append(host)
     if hw.sglang_launch:
         nodes = f" on {hw.engine_nodes} node(s)" if hw.engine_nodes else ""
         lines.append(f"engines{nodes}, each started with: {hw.sglang_launch}")
     return "\n".join(lines)
+
+
+def _describe_push(plan: MemoryPlan, model: ModelConfig) -> str:
+    push, lay = plan.push, plan.layout
+    parts = [f"2 x {push.bucket // MIB} MB buckets"]
+    if push.gather:
+        parts.append(f"gather {push.gather / GIB:.2f} GiB")
+    if not push.snapshot:
+        parts.append("no snapshot: trainer.overlap_push = false streams from the live weights")
+    elif plan.device == "cpu":
+        parts.append(f"snapshot {push.snapshot / GIB:.2f} GiB")
+    else:
+        where = "on the GPU" if push.where == "device" else "in pinned host memory"
+        why = "" if push.setting != "auto" else " (auto: it fits)" if push.where == "device" else " (auto: no room)"
+        parts.append(f"snapshot {push.snapshot / GIB:.2f} GiB {where}{why}")
+    if push.sources == "rank0":
+        parts.append(f"rank0: rank 0 sends the whole model, {push.share / GIB:.2f} GiB in {push.wire_dtype}")
+    else:
+        experts = f"~1/{lay.ep * lay.etp} of the experts and " if model.is_moe else ""
+        parts.append(f"owners: a rank sends {experts}~1/{lay.world_size} of the dense weights, at most "
+                     f"{push.share / GIB:.2f} GiB in {push.wire_dtype}")
+    return "; ".join(parts)
 
 
 def _count(n: int) -> str:
