@@ -81,6 +81,17 @@ def cmd_bench_sync_sources(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_export_bytes(args: argparse.Namespace) -> int:
+    from dataclasses import fields
+
+    from pipeline.benchmarks.export_bytes import ExportBytesParams, run_export_bytes, summary_lines
+
+    params = ExportBytesParams(**{f.name: getattr(args, f.name) for f in fields(ExportBytesParams)})
+    res = run_export_bytes(params)
+    show(args, res, lambda r: print("\n".join(summary_lines(r))))
+    return 0
+
+
 def cmd_bench_pipeline(args: argparse.Namespace) -> int:
     from dataclasses import fields
 
@@ -126,6 +137,11 @@ def register(sub: Any) -> None:
     p.add_argument("--json", action="store_true")
     add_dataclass_args(p, "pipeline.benchmarks.sync_sources", "SourcesBenchParams")
     p.set_defaults(func=cmd_bench_sync_sources)
+    p = bsub.add_parser("export-bytes", help="bytes each trainer rank sends and receives to export one push, owners "
+                                             "against rank 0, at several EP sizes")
+    p.add_argument("--json", action="store_true")
+    add_dataclass_args(p, "pipeline.benchmarks.export_bytes", "ExportBytesParams")
+    p.set_defaults(func=cmd_bench_export_bytes)
     p = bsub.add_parser("pipeline", help="samples trained per second, async vs sync on one recipe, against the "
                                          "perfect-overlap bound")
     p.add_argument("--json", action="store_true")

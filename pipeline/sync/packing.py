@@ -70,10 +70,12 @@ def unpack(metas: list[TensorMeta], flat: torch.Tensor) -> list[tuple[str, torch
 class BucketSlots:
     """At most ``count`` bucket buffers alive at once; standard-size ones are reused (no page faults per push)."""
 
-    def __init__(self, count: int | None, bucket_bytes: int, device: torch.device) -> None:
+    def __init__(self, count: int | None, bucket_bytes: int, device: torch.device, pin_memory: bool = False) -> None:
         self.count = count
         self.bucket_bytes = bucket_bytes
         self.device = device
+        self.pin_memory = pin_memory
+        """Page-locked host buffers, which a GPU copies from at full speed and without staging."""
         self._free: list[torch.Tensor] = []
         self._taken = 0
         self._cond = threading.Condition()
@@ -92,7 +94,8 @@ class BucketSlots:
             if nbytes <= self.bucket_bytes and self._free:
                 buf = self._free.pop()
             else:
-                buf = torch.empty(max(nbytes, self.bucket_bytes), dtype=torch.uint8, device=self.device)
+                buf = torch.empty(max(nbytes, self.bucket_bytes), dtype=torch.uint8, device=self.device,
+                                  pin_memory=self.pin_memory)
             self.live_bytes += buf.numel()
             self.peak_bytes = max(self.peak_bytes, self.live_bytes + sum(b.numel() for b in self._free))
             return buf

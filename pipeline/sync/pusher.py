@@ -670,10 +670,12 @@ class WeightPusher:
         announced = sum(m.nbytes for m in bucket.metas)
         if bucket.nbytes != announced:
             raise SyncError(f"a bucket of {bucket.nbytes} bytes was announced as {announced}; nothing was sent")
+        # A snapshot in host memory sent over a group that sends from the device (NCCL) goes up one bucket at a
+        # time; the works hold their tensors until done, a copy included.
+        device = self.group.device
         if self.flat and bucket.parts is None:
-            return self.group.issue([bucket.flat], src=0)
-        # The works hold their tensors until done, a contiguous copy included.
-        return self.group.issue([tensor.contiguous() for _, tensor in bucket.tensors()], src=0)
+            return self.group.issue([bucket.flat.to(device)], src=0)
+        return self.group.issue([tensor.contiguous().to(device) for _, tensor in bucket.tensors()], src=0)
 
 
 @dataclass

@@ -75,8 +75,12 @@ def test_rank0_sends_the_whole_model_and_owners_about_one_over_world() -> None:
     # an even eighth, plus at most one whole tensor (the embedding, 0.58 GiB) for the spread of the dense ones
     assert whole / 8 <= owners.share <= whole / 8 + 151936 * 2048 * 2
     assert owners.snapshot == owners.share and owners.gather == 0  # tp = etp = 1: nothing to gather
-    streamed = plan_push(model, layout, device="cuda", sync=SyncConfig(), overlap_push=False, room=None)
-    assert streamed.snapshot == 0 and streamed.device_bytes == 2 * 512 * 2**20
+    # Rank 0 alone streams without a snapshot when the push does not overlap; owners always pack their share.
+    streamed = plan_push(model, layout, device="cuda", sync=SyncConfig(sources="rank0"), overlap_push=False,
+                         room=None)
+    assert streamed.snapshot == 0 and streamed.device_bytes == 2 * 512 * 2**20 + streamed.gather
+    owned = plan_push(model, layout, device="cuda", sync=SyncConfig(), overlap_push=False, room=None)
+    assert owned.snapshot == owned.share
     # DeepSeek-V3 in rank0 mode: rank 0's snapshot is the whole 1.34 TB model
     dsv3 = plan_push(_model("deepseek-v3"), Layout(world_size=256, tp=8, ep=32), device="cuda",
                      sync=SyncConfig(sources="rank0"), overlap_push=True, room=None)
@@ -126,7 +130,7 @@ def test_a_host_snapshot_larger_than_host_memory_is_refused() -> None:
         _plan("gpu-deepseek-v3", 'sync.snapshot="host"', "hardware.host_memory_gib=40")
     message = str(refused.value)
     print(message)
-    assert "hardware.host_memory_gib" in message and "trainer.overlap_push = false" in message
+    assert "hardware.host_memory_gib" in message and 'sync.snapshot = "device"' in message
     assert "host memory: " in _plan("gpu-deepseek-v3", 'sync.snapshot="host"', "hardware.host_memory_gib=2048")
 
 

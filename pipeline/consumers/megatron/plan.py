@@ -218,7 +218,9 @@ def plan_push(model: ModelConfig, layout: Layout, *, device: Literal["cuda", "cp
         gathered = sharded + ([expert_fc1] if layout.etp > 1 else [])
     bucket = (sync.bucket_mb or (512 if device == "cuda" else 256)) * MIB
     gather = 2 * max(gathered, default=0) * elem
-    snapshot = share if overlap_push else 0
+    # Owners always send from a snapshot of their share (packed before the next step, sent while it trains or
+    # before it); rank 0 alone streams without one unless the push overlaps the next step.
+    snapshot = share if overlap_push or sync.sources == "owners" else 0
     where: Literal["device", "host"]
     if device == "cpu" or sync.snapshot == "device":
         where = "device"

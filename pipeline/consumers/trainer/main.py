@@ -182,15 +182,26 @@ def _owners(sync: SyncConfig, megatron_model: Any, model_cfg: Any) -> Owners | N
     control = ControlChannel.create(sync.timeout_s)
     export = OwnedExport(megatron_model, model_cfg)
     backend = _weight_backend(sync)
-    # The snapshot lives where the group sends from: host memory for gloo. An NCCL group sends from the device, so
-    # its snapshot is there too (a host snapshot copied up bucket by bucket is not built yet).
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    device = _snapshot_device(sync, backend, export.share_bytes)
     pool = SnapshotPool(sync.bucket_mb * 2**20 if sync.bucket_mb else DEFAULT_BUCKET_BYTES[backend], device)
     if control.rank == 0:
         return Owners(export=export, lead=SourcesLead(control), pool=pool)
     sender = ShareSender(control, SGLangClient, master_address=os.environ.get("SLUICE_NODE_IP", "127.0.0.1"),
                          backend=backend, timeout_s=sync.timeout_s, options=_push_options(sync, None))
     return Owners(export=export, sender=sender, pool=pool)
+
+
+def _snapshot_device(sync: SyncConfig, backend: str, share_bytes: int) -> torch.device:
+    """Where this rank's snapshot lives (``sync.snapshot``): host memory for gloo, which sends from there; for NCCL
+    the device, or pinned host memory sent up one bucket at a time. ``auto`` takes the device while twice the share
+    is free there now (the plan of ``--dry-run`` makes the same choice from its estimate)."""
+    if backend != "nccl" or sync.snapshot == "host":
+        return torch.device("cpu")
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    if sync.snapshot == "device":
+        return cuda
+    free, _total = torch.cuda.mem_get_info(cuda)
+    return cuda if 2 * share_bytes < free else torch.device("cpu")
 
 
 def _weight_backend(sync: SyncConfig) -> str:
