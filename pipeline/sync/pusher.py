@@ -288,6 +288,9 @@ class WeightPusher:
             if not deadline.expired():
                 raise
             self.group.mark_broken(f"a weight push stalled waiting for {self._stage}")
+            if self.sources is not None:
+                # A collective of the control channel may still be in flight in its thread.
+                self.sources.mark_broken(f"weight push {version} stalled waiting for {self._stage}")
             raise PushStalledError(
                 f"weight push {version} did not finish within {self.stall_timeout_s:g}s: it was waiting for "
                 f"{self._stage} ({', '.join(e.name for e in self.engines)}). The push was abandoned and the engines' "

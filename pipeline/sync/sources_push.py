@@ -89,11 +89,22 @@ class SourcesLead:
         if control.rank != 0:
             raise SyncError("only trainer rank 0 leads a push from several sources")
         self.control = control
+        self.broken: str | None = None
+        """Why the control channel may be out of step (a push abandoned while a collective on it was in flight);
+        every later use raises, and the trainer restarts with a fresh channel."""
+
+    def mark_broken(self, reason: str) -> None:
+        self.broken = self.broken or reason
 
     @property
     def others(self) -> int:
         """How many sources besides rank 0."""
         return self.control.world_size - 1
+
+    def _check(self) -> None:
+        if self.broken is not None:
+            raise SyncError(f"the trainer ranks' push control is out of step ({self.broken}); the trainer must "
+                            "restart (its ranks build a fresh one)")
 
     async def connect(self, engines: Sequence[str], tp: Sequence[int], dtype: str | None) -> None:
         """Have every other source join a weight group of its own with ``engines`` (each ``tp`` ranks), sending
@@ -109,9 +120,11 @@ class SourcesLead:
 
     async def done(self) -> None:
         """This step's push is over (landed or given up): the sources go back to training."""
+        self._check()
         await run_in_thread(lambda: self.control.broadcast({"op": "done"}))
 
     async def _step(self, message: dict[str, Any], own: Callable[[], Any] | None) -> list[SourceReport]:
+        self._check()
         await run_in_thread(lambda: self.control.broadcast(message))
         start = time.perf_counter()
         mine = SourceReport(0, None)
