@@ -65,7 +65,8 @@ class PushSteps:
         step waits for it. **Snapshot** (``overlap_push`` on, or a held-out snapshot is due): the weights are packed
         into wire-dtype buckets now (the model in the engines' dtype), and sent in a thread while the next batch is
         drained and trained, which the snapshot makes safe. Pushes never overlap each other, and a commit or the end
-        of the run waits for the one in flight.
+        of the run waits for the one in flight. With several ranks and ``sync.sources = "owners"`` every rank packs
+        and sends the tensors it owns instead (``_push_from_owners``).
         """
         self.finish_push()
         overlap = self.s.overlap_push if background is None else background
@@ -114,8 +115,9 @@ class PushSteps:
             if decided["full"]:
                 owners.pool.forget()  # the held-out snapshot is written from these buffers, in the background
             self.version = version
-            target: Callable[[], None] = lambda: self._lead_sources(lead, owners.lead, weights, version,  # noqa: E731
-                                                                    self.step, final)
+            step, sources = self.step, owners.lead
+            target: Callable[[], None] = lambda: self._lead_sources(lead, sources, weights, version,  # noqa: E731
+                                                                    step, final)
         else:
             assert owners.sender is not None
             if decided["full"]:
