@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -83,10 +84,15 @@ def _rank(rank: int, port: int, urls: list[str], new_dir: Path, out: Path, scena
                 os.kill(os.getpid(), signal.SIGKILL)
 
             WeightPusher._push_bucket = killed_after_one  # type: ignore[method-assign]
-        for bad in ([False, True, False, False] if scenario == "steps" else [False]):
+        pushes = {"steps": [False, True, False, False], "rotation": [False, False]}.get(scenario, [False])
+        for bad in pushes:
             sender.serve(_failing(new_dir, 1) if bad else _shares(new_dir, 1), loop)
         sender.close(loop)
         return
+
+    if scenario == "rotation":
+        loop.run_until_complete(_rotation_lead(control, urls, new_dir, out, options))
+        os._exit(0)
 
     async def lead() -> dict[str, object]:
         clients = [SGLangClient(u, retry=NO_RETRY) for u in urls]
@@ -121,6 +127,37 @@ def _rank(rank: int, port: int, urls: list[str], new_dir: Path, out: Path, scena
     results = loop.run_until_complete(lead())
     (out / f"{scenario}.json").write_text(json.dumps(results))
     os._exit(0)  # the dead peer's group would hold up a clean teardown
+
+
+async def _rotation_lead(control: object, urls: list[str], new_dir: Path, out: Path, options: object) -> None:
+    """Rank 0 over an ``EngineRotation``: push 1 lands on both engines; then (the test kills engine 1) push 2
+    fails on the dead engine, the rotation rebuilds over the live one, the other source joins the new group, and
+    push 2 lands there."""
+    from pipeline.sync.pusher import WeightPusher
+    from pipeline.sync.rotation import EngineRotation
+    from pipeline.sync.sources_push import SourcesLead
+
+    lead = SourcesLead(control)  # type: ignore[arg-type]
+
+    async def connect(members: list) -> WeightPusher:  # type: ignore[type-arg]
+        return await WeightPusher.connect(members, master_address="127.0.0.1", backend="gloo", timeout_s=60,
+                                          options=options, sources=lead)  # type: ignore[arg-type]
+
+    clients = [SGLangClient(u, retry=NO_RETRY) for u in urls]
+    rotation = await EngineRotation.start(clients, connect, wait_s=30)
+    results: dict[str, object] = {}
+    await rotation.push(_shares(new_dir, 0), "1")
+    await lead.done()
+    results["labels-1"] = await _labels(urls)
+    (out / "pushed-1").touch()
+    while not (out / "killed").exists():
+        await asyncio.sleep(0.05)
+    await rotation.push(_shares(new_dir, 0), "2")
+    await lead.done()
+    results["labels-2"] = await _labels(urls[:1])
+    results["members"] = [e.name for e in rotation.engines]
+    results["rebuilds"] = rotation.rebuilds
+    (out / "rotation.json").write_text(json.dumps(results))
 
 
 async def _generate(url: str) -> tuple[list[int], list[float]]:
@@ -203,6 +240,29 @@ def test_two_sources_land_as_one_and_a_failed_source_moves_no_label(models: tupl
         assert single != before, "the new weights generate as the old did: the check would see nothing"
         for url in urls:
             assert asyncio.run(_generate(url)) == single, "two sources did not give the weights one source gives"
+    finally:
+        for e in engines:
+            e.stop()
+
+
+def test_an_engine_that_dies_between_pushes_is_routed_around_and_every_source_follows(
+        models: tuple[Path, Path], tmp_path: Path) -> None:
+    old_dir, new_dir = models
+    engines = [start_engine(old_dir, tmp_path) for _ in range(2)]
+    try:
+        urls = [e.url for e in engines]
+        procs = start_ranks(__file__, [str(free_port()), json.dumps(urls), str(new_dir), str(tmp_path), "rotation"])
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "pushed-1").exists():
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "push 1 did not land"
+            time.sleep(0.05)
+        engines[1].stop(signal.SIGKILL)
+        (tmp_path / "killed").touch()
+        finish_ranks(procs, timeout_s=240)
+        results = json.loads((tmp_path / "rotation.json").read_text())
+        print(json.dumps(results, indent=1))
+        assert results["labels-1"] == ["1", "1"]
+        assert results["labels-2"] == ["2"] and results["members"] == [urls[0]] and results["rebuilds"] >= 1
     finally:
         for e in engines:
             e.stop()
