@@ -37,7 +37,7 @@ class ExportBytesParams:
     """Also write the JSON result to this file."""
 
 
-class _Received:
+class ReceivedBytes:
     """Counts the bytes this rank receives by gather or all-gather (a rank's own part is not received)."""
 
     def __init__(self) -> None:
@@ -77,7 +77,7 @@ def _rank_main(rank: int, world: int, port: int, folder: str, out: str) -> None:
     init_parallel(parallel, seed=0)
     model = build_gpt_model(model_cfg, parallel, r3=False)
     load_hf_into_megatron(model, folder, model_cfg)
-    received = _Received()
+    received = ReceivedBytes()
     exporter = OwnedExport(model, model_cfg)
     received.take()
     owned_sent = sum(t.numel() * t.element_size() for _, t in exporter())

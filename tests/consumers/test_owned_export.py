@@ -22,6 +22,7 @@ pytest.importorskip("megatron.core")
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 
+from pipeline.benchmarks.export_bytes import ReceivedBytes  # noqa: E402 - the same counting as the benchmark
 from pipeline.net import free_port  # noqa: E402
 from tests.helpers.train_samples import finish_ranks, start_ranks  # noqa: E402
 
@@ -39,31 +40,7 @@ def _tiny_hf(moe: bool) -> torch.nn.Module:
     return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common)).float()
 
 
-class _Received:
-    """Counts the bytes this rank receives by gather or all-gather."""
-
-    def __init__(self) -> None:
-        self.bytes = 0
-        dist = torch.distributed
-        self._gather, self._all_gather = dist.gather, dist.all_gather
-
-        def gather(tensor, gather_list=None, dst=0, group=None, **kw):  # type: ignore[no-untyped-def]
-            if gather_list is not None:
-                self.bytes += sum(t.numel() * t.element_size() for t in gather_list[1:])
-            return self._gather(tensor, gather_list, dst=dst, group=group, **kw)
-
-        def all_gather(tensor_list, tensor, group=None, **kw):  # type: ignore[no-untyped-def]
-            self.bytes += sum(t.numel() * t.element_size() for t in tensor_list[1:])
-            return self._all_gather(tensor_list, tensor, group=group, **kw)
-
-        dist.gather, dist.all_gather = gather, all_gather
-
-    def take(self) -> int:
-        taken, self.bytes = self.bytes, 0
-        return taken
-
-
-def _run_layout(name: str, weights_dir: Path, out_dir: Path, rank: int, received: _Received) -> None:
+def _run_layout(name: str, weights_dir: Path, out_dir: Path, rank: int, received: ReceivedBytes) -> None:
     from pipeline.consumers.megatron.config import ModelConfig, ParallelConfig
     from pipeline.consumers.megatron.convert import iter_hf_weights, load_hf_into_megatron
     from pipeline.consumers.megatron.model import build_gpt_model, init_parallel
@@ -91,7 +68,7 @@ def _run_layout(name: str, weights_dir: Path, out_dir: Path, rank: int, received
 
 def _worker(rank: int, world: int, port: int, weights_dir: str, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    received = _Received()
+    received = ReceivedBytes()
     for name in LAYOUTS:
         _run_layout(name, Path(weights_dir), Path(out_dir), rank, received)
     torch.distributed.destroy_process_group()
