@@ -4,8 +4,10 @@ the same run."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from pipeline.cli.common import add_dataclass_args, show
@@ -59,37 +61,19 @@ def cmd_bench_rollout(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench_sync(args: argparse.Namespace) -> int:
-    from dataclasses import fields
+def _summarized(module: str, params: str, run: str) -> Callable[[argparse.Namespace], int]:
+    """The command of a benchmark whose module has a params dataclass, a run function and ``summary_lines``."""
 
-    from pipeline.benchmarks.sync import SyncBenchParams, run_sync_bench, summary_lines
+    def cmd(args: argparse.Namespace) -> int:
+        from dataclasses import fields
 
-    params = SyncBenchParams(**{f.name: getattr(args, f.name) for f in fields(SyncBenchParams)})
-    res = run_sync_bench(params)
-    show(args, res, lambda r: print("\n".join(summary_lines(r))))
-    return 0
+        bench = importlib.import_module(module)
+        cls = getattr(bench, params)
+        res = getattr(bench, run)(cls(**{f.name: getattr(args, f.name) for f in fields(cls)}))
+        show(args, res, lambda r: print("\n".join(bench.summary_lines(r))))
+        return 0
 
-
-def cmd_bench_sync_sources(args: argparse.Namespace) -> int:
-    from dataclasses import fields
-
-    from pipeline.benchmarks.sync_sources import SourcesBenchParams, run_sources_bench, summary_lines
-
-    params = SourcesBenchParams(**{f.name: getattr(args, f.name) for f in fields(SourcesBenchParams)})
-    res = run_sources_bench(params)
-    show(args, res, lambda r: print("\n".join(summary_lines(r))))
-    return 0
-
-
-def cmd_bench_export_bytes(args: argparse.Namespace) -> int:
-    from dataclasses import fields
-
-    from pipeline.benchmarks.export_bytes import ExportBytesParams, run_export_bytes, summary_lines
-
-    params = ExportBytesParams(**{f.name: getattr(args, f.name) for f in fields(ExportBytesParams)})
-    res = run_export_bytes(params)
-    show(args, res, lambda r: print("\n".join(summary_lines(r))))
-    return 0
+    return cmd
 
 
 def cmd_bench_pipeline(args: argparse.Namespace) -> int:
@@ -131,17 +115,17 @@ def register(sub: Any) -> None:
     p = bsub.add_parser("sync", help="the weight push's GB/s against one bare broadcast of the same bytes")
     p.add_argument("--json", action="store_true")
     add_dataclass_args(p, "pipeline.benchmarks.sync", "SyncBenchParams")
-    p.set_defaults(func=cmd_bench_sync)
+    p.set_defaults(func=_summarized("pipeline.benchmarks.sync", "SyncBenchParams", "run_sync_bench"))
     p = bsub.add_parser("sync-sources", help="the push from every owner against rank 0 pushing alone: the trainer's "
                                              "blocked time, rank 0's bytes, sources killed mid-push")
     p.add_argument("--json", action="store_true")
     add_dataclass_args(p, "pipeline.benchmarks.sync_sources", "SourcesBenchParams")
-    p.set_defaults(func=cmd_bench_sync_sources)
+    p.set_defaults(func=_summarized("pipeline.benchmarks.sync_sources", "SourcesBenchParams", "run_sources_bench"))
     p = bsub.add_parser("export-bytes", help="bytes each trainer rank sends and receives to export one push, owners "
                                              "against rank 0, at several EP sizes")
     p.add_argument("--json", action="store_true")
     add_dataclass_args(p, "pipeline.benchmarks.export_bytes", "ExportBytesParams")
-    p.set_defaults(func=cmd_bench_export_bytes)
+    p.set_defaults(func=_summarized("pipeline.benchmarks.export_bytes", "ExportBytesParams", "run_export_bytes"))
     p = bsub.add_parser("pipeline", help="samples trained per second, async vs sync on one recipe, against the "
                                          "perfect-overlap bound")
     p.add_argument("--json", action="store_true")
