@@ -8,6 +8,8 @@ from pydantic import Field, field_validator, model_validator
 
 from pipeline.config.base import Strict
 
+_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
+
 
 class ArchiveConfig(Strict):
     """The archive consumer: Parquet segments of every entry, for offline replay."""
@@ -24,7 +26,8 @@ class QueueConfig(Strict):
     """The Redis-Streams sample queue."""
 
     redis_url: str | None = None
-    """redis://, rediss:// (TLS) or unix:// URL of an external server; None starts an embedded one in the run folder."""
+    """redis://, rediss:// (TLS) or unix:// URL of an external server, or redis+cluster:// / rediss+cluster:// naming
+    one or more nodes of a Redis Cluster (``host:port,host:port``); None starts an embedded one in the run folder."""
     durability: Literal["standard", "safe"] = "standard"
     """'safe': no acknowledged write is ever lost, even in a machine crash (the embedded server fsyncs its AOF
     before each reply: appendfsync = 'always'; an external server is checked for it at start). 'standard': the
@@ -57,7 +60,8 @@ class QueueConfig(Strict):
     @classmethod
     def _known_scheme(cls, url: str | None) -> str | None:
         # The message names the scheme only: pydantic's own errors would echo the whole URL, password included.
-        if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
+        if url is not None and not url.startswith(_SCHEMES):
             scheme = url.split(":", 1)[0] if ":" in url else "(none)"
-            raise ValueError(f"scheme {scheme!r} is not a Redis URL scheme; use redis://, rediss:// (TLS) or unix://")
+            raise ValueError(f"scheme {scheme!r} is not a Redis URL scheme; use redis://, rediss:// (TLS), unix://, "
+                             "or redis+cluster:// / rediss+cluster:// for a Redis Cluster")
         return url
