@@ -39,10 +39,14 @@ def _id(entry_id: str) -> tuple[int, int]:
 
 
 def sample_ids_of(fields: dict[Any, Any] | None) -> list[str] | None:
-    """The sample ids in one stream entry's payload, read straight from the msgpack envelope; None if unreadable."""
+    """The sample ids of one stream entry, read straight from its msgpack: the header's ``sample_id`` column (entry
+    schema 3), or the inline envelope's samples (schemas 1 and 2); None if unreadable."""
     if not fields:
         return None
     try:
+        head = fields.get(b"head", fields.get("head"))
+        if head is not None:
+            return [str(i) for i in msgpack.unpackb(head, raw=False)["sample_id"]]
         data = fields.get(b"data", fields.get("data"))
         env = msgpack.unpackb(data, raw=False)
         return [str(m["sample_id"]) for m in env["samples"]]

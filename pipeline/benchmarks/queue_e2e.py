@@ -457,7 +457,9 @@ def _delivered(c: dict[str, Any]) -> bool:
 
 def _memory(client: redis.Redis, key: str, before: int, samples: int) -> dict[str, float]:
     used = int(client.info("memory")["used_memory"])
-    usage = int(client.execute_command("MEMORY", "USAGE", key, "SAMPLES", 0) or 0)
+    # sluice's entries keep their payloads in keys of their own beside the stream (one server: the run's own tag).
+    payloads = client.scan_iter(match=key.rsplit(":", 1)[0] + ":payload:*", count=1000)
+    usage = sum(int(client.execute_command("MEMORY", "USAGE", k, "SAMPLES", 0) or 0) for k in [key, *payloads])
     return {"memory_usage": usage / samples, "used_memory_delta": (used - before) / samples}
 
 

@@ -126,7 +126,7 @@ async def _timed_rollout(
     await producer.run(max_groups=p.groups)
     seconds = time.perf_counter() - start
     rows: Any = queue.redis.xrange(queue.keys.samples)
-    payload = sum(len(fields[b"data"]) for _, fields in rows)
+    payload = sum(int(fields[b"psize"]) + len(fields[b"head"]) for _, fields in rows)
     _drop_run(queue)
     return seconds, payload
 

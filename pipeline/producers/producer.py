@@ -347,6 +347,14 @@ class Producer:
                   self.keys.producer_lease(name), self.keys.producers],
             args=[name, int(own)],
         ))  # fmt: skip
+        if n >= 0:
+            # Payloads it wrote whose headers never landed: nothing will ever read them, and on a cluster they sit
+            # on other primaries than the run's, out of any trim's reach. A put landed but not yet recorded keeps
+            # its payload, since its header took it off the listing in the same step.
+            dropped = self.queue.discard_unqueued_payloads(name)
+            if dropped:
+                log.warning("producer %s: deleted %d payloads producer %s wrote without their headers", self.name,
+                            dropped, name)
         self.stats.prompts_reclaimed += max(n, 0)
         return n
 

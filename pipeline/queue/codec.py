@@ -5,6 +5,10 @@ losslessly, in 0.11-0.24 of the plain bytes for routing a CPU engine recorded (n
 shared prompt rows). ``routing="plain"`` keeps routing as one plain array per sample, as schema 1
 did; schema 1 entries and archives still decode.
 
+A stream entry of schema 3 no longer carries that payload: it holds a small **header** (``encode_header``: each
+sample's scalars, lengths and versions, column by column) and the key of the payload, which sits on a shard of its
+own (docs/queue.md, "Entries"). Entries of schema 1 and 2 carry the payload inline and still decode.
+
 Never pickle: anything that can write to Redis could then run code in the trainer. Decoding trusts nothing: it
 checks the schema version, every dtype against the field's allowed set, byte counts against shapes, and the
 Sample's cross-field invariants, and raises ``SampleDecodeError`` naming the field.
@@ -20,12 +24,18 @@ import msgpack
 import numpy as np
 
 from pipeline.errors import SampleDecodeError, SampleError
+from pipeline.queue.base import SampleHeader
 from pipeline.queue.routing_codec import can_compact, decode_routing, encode_routing
 from pipeline.queue.sample import ARRAY_DTYPES, MAX_REWARD_INFO_BYTES, Sample, SampleStatus, SamplingInfo
 
 #: Bump when the envelope changes incompatibly; decoders reject versions they do not know.
 SCHEMA_VERSION = 2
 KNOWN_SCHEMA_VERSIONS = frozenset({1, 2})
+
+#: The stream entry's ``v``: 1 and 2 carry the payload inline (``data``, of the same envelope schema); 3 carries a
+#: header (``head``) and the payload's key (``pkey``) and size (``psize``).
+ENTRY_VERSION = 3
+KNOWN_ENTRY_VERSIONS = frozenset({1, 2, 3})
 
 #: How an entry carries its routing: "compact" (one block per entry) or "plain" (an array per sample).
 RoutingCodec = Literal["compact", "plain"]
@@ -223,4 +233,106 @@ def decode_samples(data: bytes) -> list[Sample]:
         # decode_routing checked each array against its sample's token counts, all the rest validate() would.
         for s, routed in zip(out, decode_routing(env["routing"], out)):
             s.routed_experts = routed
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------- headers
+# Column name -> what one value may be. A header lists each column once with one value per sample: the names would
+# otherwise be repeated per sample, and they are most of a small map's bytes.
+_HEADER_COLUMNS: dict[str, tuple[type, ...]] = {
+    "sample_id": (str,),
+    "group_id": (str,),
+    "prompt_id": (str,),
+    "index": (int,),
+    "reward": (float, int),
+    "status": (str,),
+    "finish_reason": (str,),
+    "producer": (str,),
+    "engine": (str,),
+    "created_at": (float, int),
+    "prompt_len": (int,),
+    "response_len": (int,),
+    "version_min": (int, type(None)),
+    "version_max": (int, type(None)),
+    "pass": (bool, int, float, type(None)),
+}
+_STATUSES = {s.value: s for s in SampleStatus}
+
+
+def _verdict(info: Any) -> bool | int | float | None:
+    """The reward's ``pass`` verdict as the stream evaluator reads it (a bool or a number), else None."""
+    v = info.get("pass") if isinstance(info, dict) else None
+    return v if isinstance(v, (bool, int, float)) else None
+
+
+def header_of(sample: Sample) -> SampleHeader:
+    """The header a sample gets on the wire (also what an entry of schema 1 or 2 reads as)."""
+    verdict = _verdict(sample.reward_info)
+    return SampleHeader(
+        sample_id=sample.sample_id, group_id=sample.group_id, prompt_id=sample.prompt_id, index=sample.index,
+        reward=sample.reward, status=sample.status, finish_reason=sample.finish_reason, producer=sample.producer,
+        engine=sample.engine, created_at=sample.created_at, prompt_len=sample.num_prompt_tokens,
+        response_len=sample.num_response_tokens, version_min=sample.version_min, version_max=sample.version_max,
+        reward_info={} if verdict is None else {"pass": verdict},
+    )
+
+
+def encode_header(samples: Sequence[Sample]) -> bytes:
+    """A group's header: every column of ``_HEADER_COLUMNS`` as a list with one value per sample."""
+    if not samples:
+        raise SampleError("cannot encode an empty group; a queue entry holds at least one sample")
+    heads = [header_of(s) for s in samples]
+    cols: dict[str, list[Any]] = {name: [] for name in _HEADER_COLUMNS}
+    for h in heads:
+        for name in _HEADER_COLUMNS:
+            if name == "pass":
+                cols[name].append(h.reward_info.get("pass"))
+            elif name == "status":
+                cols[name].append(h.status.value)
+            else:
+                cols[name].append(getattr(h, name))
+    return msgpack.packb({"schema": ENTRY_VERSION, **cols}, use_bin_type=True)
+
+
+def decode_header(data: bytes) -> list[SampleHeader]:
+    """Decode a header; raises SampleDecodeError naming the column that is malformed."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise SampleDecodeError(f"header must be bytes, got {type(data).__name__}")
+    try:
+        head = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+    except Exception as e:  # msgpack raises several unrelated types for corrupt input
+        raise SampleDecodeError(f"header is not valid msgpack: {type(e).__name__}: {e}") from None
+    if not isinstance(head, dict) or head.get("schema") != ENTRY_VERSION:
+        raise SampleDecodeError(f"header is not a sluice header of schema {ENTRY_VERSION}")
+    unknown, missing = set(head) - set(_HEADER_COLUMNS) - {"schema"}, set(_HEADER_COLUMNS) - set(head)
+    if unknown or missing:
+        raise SampleDecodeError(f"header columns: unknown {sorted(unknown)}, missing {sorted(missing)}")
+    n = len(head["sample_id"]) if isinstance(head["sample_id"], list) else 0
+    if n == 0:
+        raise SampleDecodeError("header sample_id: expected a non-empty list")
+    for name, types in _HEADER_COLUMNS.items():
+        col = head[name]
+        if not isinstance(col, list) or len(col) != n:
+            raise SampleDecodeError(f"header {name}: expected a list of {n} values")
+        for v in col:
+            if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
+                raise SampleDecodeError(f"header {name}: {type(v).__name__} {v!r} is not one of {types}")
+    out = []
+    for i in range(n):
+        row = {name: head[name][i] for name in _HEADER_COLUMNS}
+        lo, hi = row["version_min"], row["version_max"]
+        if (lo is None) != (hi is None) or (lo is not None and not 0 <= lo <= hi):
+            raise SampleDecodeError(f"header sample[{i}]: versions [{lo}, {hi}] are not 0 <= min <= max")
+        if (lo is None) != (row["response_len"] == 0):
+            raise SampleDecodeError(f"header sample[{i}]: versions [{lo}, {hi}] for {row['response_len']} "
+                                    "response tokens; only an empty response has none")
+        if row["status"] not in _STATUSES:
+            raise SampleDecodeError(f"header sample[{i}] status: {row['status']!r} is not one of {list(_STATUSES)}")
+        if row["index"] < 0 or row["prompt_len"] < 1 or row["response_len"] < 0 or math.isnan(row["reward"]):
+            raise SampleDecodeError(f"header sample[{i}]: index {row['index']}, prompt_len {row['prompt_len']}, "
+                                    f"response_len {row['response_len']} or reward {row['reward']} is impossible")
+        verdict = row.pop("pass")
+        out.append(SampleHeader(**{**row, "status": _STATUSES[row["status"]], "reward": float(row["reward"]),
+                                   "created_at": float(row["created_at"])},
+                                reward_info={} if verdict is None else {"pass": verdict}))
     return out

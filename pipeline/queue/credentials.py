@@ -89,16 +89,20 @@ def resolve_url(run_dir: Path | None, url: str | None, given: str | None = None)
 #: (evaluator, archiver, a trainer restart) against a server that counted them (`INFO commandstats`), then checked
 #: by running with exactly these (tests/queue/test_security.py). Commands a Lua script calls are checked against the
 #: calling user's ACL too, and the lag script would swallow a refused XINFO in its pcall, so it is listed.
-#: SELECT is needed only with a database other than 0 in the URL.
+#: SELECT is needed only with a database other than 0 in the URL. SCRIPT EXISTS: redis-py asks it before it sends a
+#: pipeline that holds a script call (a put's headers ride in the same pipeline as its payloads). CLUSTER SLOTS and
+#: COMMAND only on a Redis Cluster: the cluster client reads the slot map and the command table (to find the keys of
+#: what it routes), and the queue reads the slot map to spread a run's payload shards over the primaries.
 ACL_COMMANDS: tuple[str, ...] = (
     "ping", "select",
-    "get", "set", "del", "exists", "incr", "incrby", "decr", "decrby", "pexpire", "pttl",
-    "hget", "hset", "hsetnx", "hdel", "hgetall", "hmget", "hincrby", "hincrbyfloat", "hvals",
+    "get", "set", "del", "exists", "mget", "incr", "incrby", "decr", "decrby", "pexpire", "pttl",
+    "hget", "hset", "hsetnx", "hdel", "hgetall", "hmget", "hkeys", "hincrby", "hincrbyfloat", "hvals",
     "sadd", "srem", "smembers",
     "rpush", "lpop", "lrange",
     "xadd", "xlen", "xrange", "xrevrange", "xread", "xreadgroup", "xack", "xpending", "xautoclaim", "xtrim",
     "xinfo|groups", "xgroup|create", "xgroup|destroy",
-    "eval", "evalsha", "script|load", "multi", "exec",
+    "eval", "evalsha", "script|load", "script|exists", "multi", "exec",
+    "cluster|slots", "command",
 )
 
 

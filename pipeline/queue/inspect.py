@@ -106,7 +106,7 @@ def audit(queue: SampleQueue, with_samples: bool = False) -> AuditReport:
     seen: Counter[str] = Counter()
     rows: list[dict[str, Any]] = []
     entries = samples = undecodable = 0
-    for entry_id, item in queue.scan():
+    for entry_id, item in queue.scan_headers():  # sample ids are in the headers: no payload is fetched
         entries += 1
         if isinstance(item, SampleDecodeError):
             undecodable += 1
@@ -117,8 +117,8 @@ def audit(queue: SampleQueue, with_samples: bool = False) -> AuditReport:
             fate = "pending" if entry_id in pending[name] else ("acked" if eid <= last[name] else "undelivered")
             fates[name] = fate
             counts[name][f"{fate}_entries"] += 1
-            counts[name][f"{fate}_samples"] += len(item.samples)
-        for s in item.samples:
+            counts[name][f"{fate}_samples"] += len(item.headers)
+        for s in item.headers:
             samples += 1
             seen[s.sample_id] += 1
             if with_samples:

@@ -1,5 +1,7 @@
-"""The Redis key layout of one run. Every key of a run shares the ``{run}`` hash tag, so a Redis Cluster keeps them in
-one slot and the queue's Lua scripts may touch several of them atomically."""
+"""The Redis key layout of one run. Every control key of a run shares the ``{run}`` hash tag, so a Redis Cluster keeps
+them in one slot and the queue's Lua scripts may touch several of them atomically. Payloads are the one exception:
+each sits under one of the run's shard tags (``{run/i}``, chosen when the run's first entry is put; docs/queue.md,
+"Entries"), and no script or MULTI ever touches one."""
 
 from __future__ import annotations
 
@@ -104,9 +106,46 @@ class RunKeys:
         """The live launcher's lock: JSON host, PID, start time and token, with a TTL it renews (docs/launcher.md)."""
         return f"{self.prefix}:launcher"
 
+    def producer_payloads(self, name: str) -> str:
+        """Hash payload key -> group_id of the payloads a put by producer ``name`` may have written without their
+        header yet; a reclaim of that producer deletes what it still lists."""
+        return f"{self.prefix}:producer:{name}:payloads"
+
+    @property
+    def payload_shards(self) -> str:
+        """JSON ``{"tags": [...]}``: the hash tags payloads are spread over, chosen once per run (set NX)."""
+        return f"{self.prefix}:payload_shards"
+
+    @property
+    def payload_trash(self) -> str:
+        """Set of payload keys whose headers a trim has removed and whose payloads it has yet to delete."""
+        return f"{self.prefix}:payload_trash"
+
     def extra(self, name: str) -> str:
         """A run-scoped key for other stages (prompt cursors, ledgers), inside the same hash slot."""
         return f"{self.prefix}:{name}"
+
+
+def shard_tag(run: str, index: int) -> str:
+    """A candidate shard tag of a run: ``run/index``. No run name holds a ``/``, so it never equals another run's
+    own tag."""
+    return f"{run}/{index}"
+
+
+def payload_prefix(tag: str) -> str:
+    """Payload keys under hash tag ``tag`` are this prefix plus the entry's ``seq``."""
+    return f"sluice:{{{tag}}}:payload:"
+
+
+def hash_tag(key: str) -> str:
+    """The hash tag of a key, as Redis Cluster reads it: the text between the first ``{`` and the next ``}``, or the
+    whole key when there is none (or it is empty)."""
+    start = key.find("{")
+    if start >= 0:
+        end = key.find("}", start + 1)
+        if end > start + 1:
+            return key[start + 1:end]
+    return key
 
 
 def slot_item(index: int, requeues: int = 0) -> str:

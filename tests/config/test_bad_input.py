@@ -30,6 +30,7 @@ from pipeline.errors import ConfigError
 from pipeline.producers.producer import Producer, load_tokenize, read_num_experts
 from pipeline.producers.sglang_client import NO_RETRY, EnginePool, ExponentialBackoff, Retry, SGLangClient
 from pipeline.queue.archive import ArchiveReader, load_index
+from pipeline.queue.codec import encode_samples
 from pipeline.queue.redis_streams import SampleQueue
 from pipeline.queue.sample import SampleStatus
 from tests.helpers.engines import EngineProcess, free_port
@@ -42,8 +43,9 @@ ROOT = Path(__file__).parents[2]
 def test_an_unknown_schema_or_inconsistent_header_is_dead_lettered_with_its_bytes(queue: SampleQueue) -> None:
     rng = np.random.default_rng(3)
     queue.create_group("trainer")
-    good = queue.put(make_group(rng, 2, version=3))
-    data = queue.redis.xrange(queue.keys.samples, count=1)[0][1][b"data"]
+    group = make_group(rng, 2, version=3)
+    good = queue.put(group)
+    data = encode_samples(group)  # as an entry of schema 1 or 2 carried it inline
     unknown = queue.redis.xadd(queue.keys.samples, {"v": 99, "n": 2, "vmin": 3, "vmax": 3, "data": data})
     versions = queue.redis.xadd(queue.keys.samples, {"v": 2, "n": 2, "vmin": 0, "vmax": 7, "data": data})
     got = queue.read("trainer", "c", count=10)

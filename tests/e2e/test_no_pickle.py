@@ -145,7 +145,8 @@ def test_no_data_or_sync_path_unpickles(model_dir: Path, queue: SampleQueue, tmp
             assert sum(len(g) for _, g in archive_records(tmp_path / "archive", None)) == 6
             write_run_file(tmp_path / "run", queue.run, _url(queue))
             assert sum(len(g) for _, g in stream_records(tmp_path / "run", None)) == 6
-            entry = queue.redis.xrange(queue.keys.samples, count=1)[0][1][b"data"]
+            pkey = queue.redis.xrange(queue.keys.samples, count=1)[0][1][b"pkey"].decode()
+            entry = queue.fetch_payloads([pkey])[pkey]
             _broadcast_between_two_guarded_ranks(entry, tmp_path, log)
     finally:
         engine.stop()

@@ -10,6 +10,7 @@ import pytest
 import redis
 
 from pipeline.errors import ConfigError, QueueError, QueueFullError
+from pipeline.queue.codec import encode_samples
 from pipeline.queue.connection import connect, redact_url
 from pipeline.queue.keys import RunKeys
 from pipeline.queue.redis_server import EmbeddedRedis
@@ -43,8 +44,8 @@ def test_put_read_ack_through_two_independent_groups(queue: SampleQueue) -> None
     assert len(ids) == 5 and ids == sorted(ids, key=lambda i: tuple(map(int, i.split("-"))))
 
     raw = queue.redis.xrange(queue.keys.samples, count=1)[0][1]
-    assert {b"v", b"n", b"vmin", b"vmax", b"data"} <= set(raw)
-    assert int(raw[b"n"]) == 3 and int(raw[b"vmin"]) == 0 and int(raw[b"vmax"]) == 1
+    assert {b"v", b"n", b"vmin", b"vmax", b"seq", b"head", b"pkey", b"psize"} == set(raw)
+    assert int(raw[b"v"]) == 3 and int(raw[b"n"]) == 3 and int(raw[b"vmin"]) == 0 and int(raw[b"vmax"]) == 1
 
     t = queue.read("trainer", "t0", count=2)
     assert [e.id for e in t] == ids[:2]
@@ -81,11 +82,8 @@ def test_corrupt_entry_is_dead_lettered_and_the_consumer_keeps_going(queue: Samp
     queue.create_group("trainer")
     good1 = queue.put(make_group(rng, 2))
     bad = queue.redis.xadd(queue.keys.samples, {"v": 1, "n": 1, "vmin": 0, "vmax": 0, "data": b"\x93not-a-sample"})
-    wrong_n = queue.redis.xadd(
-        queue.keys.samples,
-        {"v": 1, "n": 5, "vmin": 0, "vmax": 0,
-         "data": queue.redis.xrange(queue.keys.samples, count=1)[0][1][b"data"]},
-    )
+    wrong_n = queue.redis.xadd(queue.keys.samples, {"v": 1, "n": 5, "vmin": 0, "vmax": 0,
+                                                     "data": encode_samples(make_group(rng, 2))})
     good2 = queue.put(make_group(rng, 2))
 
     got = queue.read("trainer", "c", count=10)

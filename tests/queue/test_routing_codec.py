@@ -213,7 +213,8 @@ def test_the_queue_writes_the_routing_codec_it_was_given(queue: SampleQueue) -> 
     queue.put(group)
     plain.put(group)
     rows = queue.redis.xrange(queue.keys.samples)
-    compact, plain_bytes = (_routing_bytes(fields[b"data"]) for _, fields in rows)
+    payloads = queue.fetch_payloads([fields[b"pkey"].decode() for _, fields in rows])
+    compact, plain_bytes = (_routing_bytes(data) for data in payloads.values())
     assert compact < 0.5 * plain_bytes == 0.5 * plain_routing_bytes(group)
     got = queue.read("trainer", "c", count=10)
     for entry in got:
