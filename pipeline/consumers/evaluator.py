@@ -32,6 +32,14 @@ transaction in the AOF, so the ack and the count can never be separated:
 No set of counted ids is needed, so memory does not grow with the run, and several evaluator processes may share a
 group. Entries that fail to decode are dead-lettered and acked by the queue, and never counted.
 
+Headers only
+------------
+Everything counted is in an entry's header (docs/queue.md, "Entries"): reward, the ``pass`` verdict, status,
+response length and versions. So the evaluator reads headers (``SampleQueue.read_headers``) and never fetches a
+payload: its reads cost a few KB per group, whatever the routing weighs, and it loads no primary that holds only
+payloads. A header whose payload was lost is still counted, since the group was generated and scored; the readers
+that need the payload dead-letter it.
+
 The metrics sink, ``<run_dir>/eval/metrics.jsonl``, is derived output: after each commit it gets one line per
 version touched, holding that version's cumulative summary as Redis has it. The newest line per version is the
 current figure; a crash can lose at most the lines of one commit, never a count. The in-memory summary
@@ -52,17 +60,17 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import redis
 
 from pipeline.config.eval import EvaluatorConfig
 from pipeline.errors import ConfigError, QueueError
 from pipeline.metrics import ScalarSink
-from pipeline.queue.base import QueueEntry
+from pipeline.queue.base import HeaderEntry, QueueEntry
 from pipeline.queue.keys import RunKeys
 from pipeline.queue.redis_streams import SampleQueue
-from pipeline.queue.sample import Sample, SampleStatus
+from pipeline.queue.sample import SampleStatus
 from pipeline.rundir import eval_metrics_path
 
 log = logging.getLogger(__name__)
@@ -75,8 +83,30 @@ UNKNOWN_VERSION = -1
 StatKey = int | Literal["all"]
 
 
+class Scored(Protocol):
+    """What the aggregation reads of a sample; a ``Sample`` and a ``SampleHeader`` both have it."""
+
+    @property
+    def reward(self) -> float: ...
+
+    @property
+    def reward_info(self) -> Mapping[str, Any]: ...
+
+    @property
+    def status(self) -> SampleStatus: ...
+
+    @property
+    def num_response_tokens(self) -> int: ...
+
+    @property
+    def version_min(self) -> int | None: ...
+
+    @property
+    def version_max(self) -> int | None: ...
+
+
 # --------------------------------------------------------------------------------------------- pure aggregation
-def sample_version(sample: Sample, group_version_max: int = UNKNOWN_VERSION) -> int:
+def sample_version(sample: Scored, group_version_max: int = UNKNOWN_VERSION) -> int:
     """The policy version a sample is credited to: its newest token's version, else its group's (module docstring)."""
     v = sample.version_max
     if v is not None:
@@ -84,13 +114,13 @@ def sample_version(sample: Sample, group_version_max: int = UNKNOWN_VERSION) -> 
     return group_version_max if group_version_max >= 0 else UNKNOWN_VERSION
 
 
-def group_version_max(samples: Sequence[Sample]) -> int:
+def group_version_max(samples: Sequence[Scored]) -> int:
     """The newest token version in a group (the queue entry's ``vmax``); -1 when no sample has a token."""
     versions = [s.version_max for s in samples if s.version_max is not None]
     return max(versions) if versions else UNKNOWN_VERSION
 
 
-def sample_passed(sample: Sample, threshold: float) -> bool:
+def sample_passed(sample: Scored, threshold: float) -> bool:
     """``reward_info["pass"]`` when it is a bool or a number; otherwise whether the reward is above ``threshold``."""
     return reward_passed(sample.reward, sample.reward_info, threshold)
 
@@ -122,7 +152,7 @@ class VersionStats:
     status: dict[str, int] = field(default_factory=dict)
 
     # -- building
-    def add_sample(self, sample: Sample, passed: bool) -> None:
+    def add_sample(self, sample: Scored, passed: bool) -> None:
         self.samples += 1
         self.passes += int(passed)
         if math.isfinite(sample.reward):
@@ -239,7 +269,7 @@ class EvalAggregate:
     by_version: dict[int, VersionStats] = field(default_factory=dict)
     total: VersionStats = field(default_factory=VersionStats)
 
-    def add_group(self, samples: Sequence[Sample], pass_threshold: float = 0.0) -> None:
+    def add_group(self, samples: Sequence[Scored], pass_threshold: float = 0.0) -> None:
         """Account one prompt group (one queue entry)."""
         fallback = group_version_max(samples)
         touched: set[int] = set()
@@ -268,7 +298,7 @@ class EvalAggregate:
         return {str(k): st.summary() for k, st in self.items()}
 
 
-def aggregate_groups(groups: Iterable[Sequence[Sample]], pass_threshold: float = 0.0) -> EvalAggregate:
+def aggregate_groups(groups: Iterable[Sequence[Scored]], pass_threshold: float = 0.0) -> EvalAggregate:
     """The aggregate of some prompt groups, computed in memory (what the evaluator must arrive at)."""
     agg = EvalAggregate()
     for g in groups:
@@ -276,10 +306,10 @@ def aggregate_groups(groups: Iterable[Sequence[Sample]], pass_threshold: float =
     return agg
 
 
-def entry_ops(entry: QueueEntry, pass_threshold: float) -> list[tuple[str, str, str]]:
+def entry_ops(entry: QueueEntry | HeaderEntry, pass_threshold: float) -> list[tuple[str, str, str]]:
     """One entry's contribution as Redis counter ops on fields ``"<version>:<stat>"`` and ``"all:<stat>"``."""
     agg = EvalAggregate()
-    agg.add_group(entry.samples, pass_threshold)
+    agg.add_group(entry.headers if isinstance(entry, HeaderEntry) else entry.samples, pass_threshold)
     return [(op, f"{key}:{stat}", value) for key, st in agg.items() for op, stat, value in st.to_ops()]
 
 
@@ -419,7 +449,7 @@ class Evaluator:
 
     def recover(self) -> int:
         """Count the entries this consumer holds from before a crash, then those idle at dead peers."""
-        mine = self.queue.read_pending(self.cfg.group, self.cfg.consumer, count=self.cfg.batch_entries)
+        mine = self.queue.read_pending_headers(self.cfg.group, self.cfg.consumer, count=self.cfg.batch_entries)
         self.commit(mine)
         n = len(mine) + self.claim()
         self.recovered_entries += n
@@ -428,15 +458,15 @@ class Evaluator:
     def claim(self) -> int:
         """Take over and count entries other consumers of the group have held for ``claim_idle_ms``."""
         self._last_claim = time.monotonic()
-        claimed = self.queue.claim_stale(self.cfg.group, self.cfg.consumer, self.cfg.claim_idle_ms,
-                                         count=self.cfg.batch_entries)
+        claimed = self.queue.claim_stale_headers(self.cfg.group, self.cfg.consumer, self.cfg.claim_idle_ms,
+                                                 count=self.cfg.batch_entries)
         self.commit(claimed)
         return len(claimed)
 
-    def read(self, block_ms: int | None = None) -> list[QueueEntry]:
-        """Up to ``batch_entries`` new entries (they stay pending until :meth:`commit`)."""
+    def read(self, block_ms: int | None = None) -> list[HeaderEntry]:
+        """Up to ``batch_entries`` new entries' headers (they stay pending until :meth:`commit`)."""
         wait = self.cfg.block_ms if block_ms is None else block_ms
-        return self.queue.read(self.cfg.group, self.cfg.consumer, count=self.cfg.batch_entries,
+        return self.queue.read_headers(self.cfg.group, self.cfg.consumer, count=self.cfg.batch_entries,
                                block_ms=wait or None)
 
     def step(self, block_ms: int | None = None) -> int:
@@ -447,7 +477,7 @@ class Evaluator:
         self.commit(entries)
         return len(entries)
 
-    def commit(self, entries: Sequence[QueueEntry]) -> int:
+    def commit(self, entries: Sequence[QueueEntry | HeaderEntry]) -> int:
         """Ack and count ``entries``, each atomically with its count; returns how many were counted here.
 
         Sent in chunks of ``batch_entries`` so a large recovery does not become one huge script call; atomicity is
