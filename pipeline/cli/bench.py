@@ -1,4 +1,4 @@
-"""``sluice bench queue|rollout|sync|pipeline|faults|faults-merge``: each a ratio against a reference measured in
+"""``sluice bench queue|rollout|sync|pipeline|gpu|faults|faults-merge``: each a ratio against a reference measured in
 the same run."""
 
 from __future__ import annotations
@@ -98,6 +98,16 @@ def cmd_bench_pipeline(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_gpu(args: argparse.Namespace) -> int:
+    from dataclasses import fields
+
+    from pipeline.benchmarks.gpu_check import GpuCheckParams, run_gpu_check, summary_lines
+
+    res = run_gpu_check(GpuCheckParams(**{f.name: getattr(args, f.name) for f in fields(GpuCheckParams)}))
+    show(args, res, lambda r: print("\n".join(summary_lines(r))))
+    return 1 if res["failed"] else 0
+
+
 def register(sub: Any) -> None:
     """Add this group's commands to the ``sluice`` parser's subcommands."""
     bench = sub.add_parser("bench", help="benchmarks, each a ratio against a reference measured in the same run")
@@ -131,6 +141,11 @@ def register(sub: Any) -> None:
     p.add_argument("--json", action="store_true")
     add_dataclass_args(p, "pipeline.benchmarks.pipeline", "PipelineBenchParams")
     p.set_defaults(func=cmd_bench_pipeline)
+    p = bsub.add_parser("gpu", help="trainer step time and MFU, the memory plan against measured memory, R3 and the "
+                                    "engine's k3, each part to its own JSON (tiny models with --device cpu)")
+    p.add_argument("--json", action="store_true")
+    add_dataclass_args(p, "pipeline.benchmarks.gpu_check", "GpuCheckParams")
+    p.set_defaults(func=cmd_bench_gpu)
     p = bsub.add_parser("faults", help="SIGKILL parts of a live run at random moments; check nothing lost or "
                                        "trained twice")
     p.add_argument("--json", action="store_true")
