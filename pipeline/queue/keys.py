@@ -121,6 +121,12 @@ class RunKeys:
         """Set of payload keys whose headers a trim has removed and whose payloads it has yet to delete."""
         return f"{self.prefix}:payload_trash"
 
+    @property
+    def landed(self) -> str:
+        """Hash payload key -> entry id of every header in the stream: a put resent after a lost reply (a restarted
+        server that kept the first one) finds its header there and adds no second entry. Trimming drops the rows."""
+        return f"{self.prefix}:landed"
+
     def extra(self, name: str) -> str:
         """A run-scoped key for other stages (prompt cursors, ledgers), inside the same hash slot."""
         return f"{self.prefix}:{name}"

@@ -108,13 +108,23 @@ return top
 # The headers, once their payloads are written: each XADD and the removal of its payload from the producer's listing
 # are one step, so a listed payload is never one a header points at (a reclaim may delete every listed payload).
 # Headers are a few KB, so passing them through Lua costs little (payloads never are).
-# KEYS: samples, then one listing hash per producer; ARGV per entry: listing index, payload key, field count, fields.
+# A header already in the stream (its payload key in `landed`) is not added again: a connection lost after the server
+# ran the script but before its reply reached the client makes the client send the whole pipeline again, and a
+# restarted server that kept the first run (AOF) would otherwise hold the group twice.
+# KEYS: samples, one listing hash per producer, landed; ARGV per entry: listing index, payload key, field count,
+# fields.
 _ENQUEUE = """
+local landed = KEYS[#KEYS]
 local ids = {}
 local i = 1
 while i <= #ARGV do
   local listing, pkey, nf = tonumber(ARGV[i]), ARGV[i + 1], tonumber(ARGV[i + 2])
-  ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', unpack(ARGV, i + 3, i + 2 + nf))
+  local id = redis.call('HGET', landed, pkey)
+  if not id then
+    id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, i + 3, i + 2 + nf))
+    redis.call('HSET', landed, pkey, id)
+  end
+  ids[#ids + 1] = id
   redis.call('HDEL', KEYS[1 + listing], pkey)
   i = i + 3 + nf
 end
@@ -126,7 +136,7 @@ return ids
 # payload keys of the headers it drops go into the trash set in the same step, to be deleted on their shards next:
 # a crash after this leaves payloads the trash still names (the next pass deletes them), never a header without its
 # payload nor a payload nobody can find. At most ARGV[1] entries a call; returns {dropped, 1 if more remain}.
-# KEYS: samples, trash.
+# KEYS: samples, trash, landed.
 _TRIM = """
 local function parse(id)
   local dash = string.find(id, '-', 1, true)
@@ -165,6 +175,7 @@ for _, row in ipairs(rows) do
 end
 for i = 1, #keys, 256 do
   redis.call('SADD', KEYS[2], unpack(keys, i, math.min(i + 255, #keys)))
+  redis.call('HDEL', KEYS[3], unpack(keys, i, math.min(i + 255, #keys)))
 end
 local more = 0
 if #rows == limit then
@@ -441,12 +452,12 @@ class SampleQueue:
         if tags == [self.run] and not isinstance(self.redis, RedisCluster):
             # One server runs a connection's commands in order, so the headers still land after their payloads, and
             # the put takes one round trip after the reservation, as before payloads had keys of their own.
-            self._enqueue(keys=[self.keys.samples, *listings], args=args, client=pipe)
+            self._enqueue(keys=[self.keys.samples, *listings, self.keys.landed], args=args, client=pipe)
             ids = pipe.execute()[-1]
         else:
             # Payloads sit on other primaries, which nothing orders against the run's: wait for them first.
             pipe.execute()
-            ids = self._enqueue(keys=[self.keys.samples, *listings], args=args)
+            ids = self._enqueue(keys=[self.keys.samples, *listings, self.keys.landed], args=args)
         return [_s(i) for i in ids]
 
     def _encode_entry(self, group: Sequence[Sample]) -> _Outgoing:
@@ -716,7 +727,8 @@ class SampleQueue:
         Never drops unacked ones."""
         dropped = 0
         while True:
-            n, more = self._trim(keys=[self.keys.samples, self.keys.payload_trash], args=[TRIM_BATCH])
+            n, more = self._trim(keys=[self.keys.samples, self.keys.payload_trash, self.keys.landed],
+                                 args=[TRIM_BATCH])
             dropped += int(n)
             self._empty_trash()
             if not int(more):

@@ -136,6 +136,14 @@ class SGLangServer:
                     self._reap()
                     time.sleep(0.1)
             self._reap()
+            if self.proc.poll() is None:
+                # The group looked gone (its members exited or are zombies) while the leader was still tearing
+                # down: wait for the leader itself, so that ``alive`` is false when this returns.
+                self._signal_group(signal.SIGKILL)
+                try:
+                    self.proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    pass
         finally:
             if self._log_file is not None:
                 self._log_file.close()  # type: ignore[attr-defined]
