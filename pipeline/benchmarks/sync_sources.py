@@ -70,7 +70,7 @@ def _shares(weights: list[tuple[str, torch.Tensor]], sources: int) -> list[list[
     return [sorted(share, key=lambda nt: nt[0]) for share in owned]
 
 
-async def _labels(urls: list[str]) -> list[str]:
+async def engine_labels(urls: list[str]) -> list[str]:
     labels = []
     for url in urls:
         async with SGLangClient(url, retry=NO_RETRY) as client:
@@ -130,7 +130,7 @@ def _rank_main(rank: int, world: int, port: int, folder: str, urls: list[str], p
         sources = pusher.sources
         assert sources is not None
         result: dict[str, Any] = {"alone": [], "owners": []}
-        version = int((await _labels(urls))[0] or 0) if mode == "kill" else 0
+        version = int((await engine_labels(urls))[0] or 0) if mode == "kill" else 0
         for _ in range(rounds):
             if mode == "rounds":
                 pusher.sources, version = None, version + 1
@@ -153,11 +153,11 @@ def _rank_main(rank: int, world: int, port: int, folder: str, urls: list[str], p
                 ok, result["error"] = False, str(exc)[:300]
             seconds = time.perf_counter() - start
             if mode == "kill":
-                result["labels_after_kill"] = await _labels(urls)
+                result["labels_after_kill"] = await engine_labels(urls)
                 result["pushed_version"] = str(version)
                 pusher.sources = None
                 await pusher.push(weights, version + 1)  # rank 0 alone, as the restarted trainer's first push
-                result["labels_after_next"] = await _labels(urls)
+                result["labels_after_next"] = await engine_labels(urls)
                 result["next_version"] = str(version + 1)
                 return result
             await sources.done()

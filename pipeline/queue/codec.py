@@ -198,14 +198,19 @@ def _map_to_sample(m: Any) -> Sample:
         raise SampleDecodeError(str(e)) from None
 
 
+def _unpack(data: bytes, what: str) -> Any:
+    """msgpack of a payload or header; SampleDecodeError naming ``what`` on anything that is not."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise SampleDecodeError(f"{what} must be bytes, got {type(data).__name__}")
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+    except Exception as e:  # msgpack raises several unrelated types for corrupt input
+        raise SampleDecodeError(f"{what} is not valid msgpack: {type(e).__name__}: {e}") from None
+
+
 def decode_samples(data: bytes) -> list[Sample]:
     """Decode one queue entry's payload; raises SampleDecodeError on anything malformed."""
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise SampleDecodeError(f"payload must be bytes, got {type(data).__name__}")
-    try:
-        env = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
-    except Exception as e:  # msgpack raises several unrelated types for corrupt input
-        raise SampleDecodeError(f"payload is not valid msgpack: {type(e).__name__}: {e}") from None
+    env = _unpack(data, "payload")
     if not isinstance(env, dict) or "schema" not in env or "samples" not in env:
         raise SampleDecodeError("payload is not a sluice envelope (needs 'schema' and 'samples')")
     if env["schema"] not in KNOWN_SCHEMA_VERSIONS:
@@ -296,12 +301,7 @@ def encode_header(samples: Sequence[Sample]) -> bytes:
 
 def decode_header(data: bytes) -> list[SampleHeader]:
     """Decode a header; raises SampleDecodeError naming the column that is malformed."""
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise SampleDecodeError(f"header must be bytes, got {type(data).__name__}")
-    try:
-        head = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
-    except Exception as e:  # msgpack raises several unrelated types for corrupt input
-        raise SampleDecodeError(f"header is not valid msgpack: {type(e).__name__}: {e}") from None
+    head = _unpack(data, "header")
     if not isinstance(head, dict) or head.get("schema") != ENTRY_VERSION:
         raise SampleDecodeError(f"header is not a sluice header of schema {ENTRY_VERSION}")
     unknown, missing = set(head) - set(_HEADER_COLUMNS) - {"schema"}, set(_HEADER_COLUMNS) - set(head)

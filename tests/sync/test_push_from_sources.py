@@ -25,6 +25,7 @@ torch = pytest.importorskip("torch")
 
 from safetensors.torch import load_file  # noqa: E402
 
+from pipeline.benchmarks.sync_sources import engine_labels  # noqa: E402 - the benchmark's reading of every label
 from pipeline.net import free_port  # noqa: E402
 from pipeline.producers.sglang_client import NO_RETRY, SGLangClient  # noqa: E402
 from pipeline.sync.pusher import PushOptions  # noqa: E402
@@ -48,14 +49,6 @@ def _failing(new_dir: Path, rank: int) -> Callable[[], Iterator[tuple[str, torch
         raise RuntimeError("the exporter failed half-way")
 
     return export
-
-
-async def _labels(urls: list[str]) -> list[str]:
-    out = []
-    for url in urls:
-        async with SGLangClient(url, retry=NO_RETRY) as client:
-            out.append(str(await client.weight_version()))
-    return out
 
 
 def _rank(rank: int, port: int, urls: list[str], new_dir: Path, out: Path, scenario: str) -> None:
@@ -111,13 +104,13 @@ def _rank(rank: int, port: int, urls: list[str], new_dir: Path, out: Path, scena
                 results[version] = {"ok": False, "error": str(exc)}
             if not (scenario == "kill"):
                 await pusher.sources.done()  # type: ignore[union-attr]
-            results[f"labels-{version}"] = await _labels(urls)
+            results[f"labels-{version}"] = await engine_labels(urls)
             print(f"push {version}: {results[version]}, labels {results[f'labels-{version}']}", flush=True)
         if scenario == "kill":
             # The restarted trainer's push: rank 0 alone, over its own group (the dead source's group is gone).
             pusher.sources = None
             stats = await pusher.push(_shares(new_dir, 0) + _shares(new_dir, 1), "2")
-            results["alone"] = {"bytes": stats.bytes, "labels": await _labels(urls)}
+            results["alone"] = {"bytes": stats.bytes, "labels": await engine_labels(urls)}
         else:
             await pusher.close()  # the engines leave the group: a later pusher may take its name
         for c in clients:
@@ -148,13 +141,13 @@ async def _rotation_lead(control: object, urls: list[str], new_dir: Path, out: P
     results: dict[str, object] = {}
     await rotation.push(_shares(new_dir, 0), "1")
     await lead.done()
-    results["labels-1"] = await _labels(urls)
+    results["labels-1"] = await engine_labels(urls)
     (out / "pushed-1").touch()
     while not (out / "killed").exists():
         await asyncio.sleep(0.05)
     await rotation.push(_shares(new_dir, 0), "2")
     await lead.done()
-    results["labels-2"] = await _labels(urls[:1])
+    results["labels-2"] = await engine_labels(urls[:1])
     results["members"] = [e.name for e in rotation.engines]
     results["rebuilds"] = rotation.rebuilds
     (out / "rotation.json").write_text(json.dumps(results))
