@@ -23,6 +23,17 @@ _REPO = str(Path(__file__).resolve().parents[1])
 os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(filter(None, [_REPO, os.environ.get("PYTHONPATH")])))
 
 
+try:
+    from hypothesis import settings
+
+    # Property tests check what holds, not how fast: on a loaded 2-core machine one example once took 593 ms against
+    # hypothesis's default 200 ms deadline, and failed a run whose every property held.
+    settings.register_profile("sluice", deadline=None)
+    settings.load_profile("sluice")
+except ImportError:  # hypothesis is a dev dependency; the tests that use it import it themselves
+    pass
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--redis-url", default=None, help="use this Redis server instead of starting one")
 

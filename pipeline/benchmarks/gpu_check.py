@@ -26,6 +26,8 @@ process ``--resume`` records the part as failed and runs the rest (``scripts/gpu
   the trainer loads (sampling, log-probs and routing as the engine serves them); the trainer's log-probs of the same
   tokens with and without replaying the engine's routing, k3 between the two, the trainer's own routing agreement
   with the engine's, and the decode rate.
+- **tests** (CUDA only): ``pytest -m gpu`` over the test files in ``GPU_TESTS``, the checks of paths that only a GPU
+  reaches (megatron's DDP and distributed optimizer in the trainer's updater); the part fails when any test fails.
 
 FLOPs (``forward_flops``): 2 per multiply-add of every weight a token passes through (its top-k experts only, the
 output layer included, the input embedding not, being a lookup), plus causal attention's two products, counted over
@@ -52,7 +54,7 @@ if TYPE_CHECKING:
     from pipeline.models.config import ModelConfig
     from pipeline.queue.sample import Sample
 
-PARTS: tuple[str, ...] = ("trainer", "dense", "memory", "r3", "engine")
+PARTS: tuple[str, ...] = ("trainer", "dense", "memory", "r3", "engine", "tests")
 PEAK_BF16_FLOPS = 790e12
 GIB = 1 << 30
 PERTURBATION = 0.05  # relative noise on every weight in the R3 part: "the trainer has moved on since generation"
@@ -767,12 +769,43 @@ def generate(hf: Any, cfg: ModelConfig, sizes: Sizes, device: str, seed: int) ->
     }
 
 
+# --------------------------------------------------------------------------------------------------- the gpu tests
+
+
+GPU_TESTS: tuple[str, ...] = ("tests/consumers/test_megatron_updater.py",)
+"""Test files whose ``gpu``-marked tests the ``tests`` part runs (paths of this checkout)."""
+_TESTS_TIMEOUT_S = 600
+
+
+def tests_part(ctx: Context) -> dict[str, Any]:
+    """``pytest -m gpu`` over :data:`GPU_TESTS` in a child process; fails when any of them fails or none ran. On
+    CPU they would only skip."""
+    if ctx.device != "cuda":
+        return {"skipped": "cpu", "headline": {"skipped": "cpu"}}
+    import re
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    # --noconftest: the shared conftest imports redis, which the GPU image lacks; these files use none of its
+    # fixtures, and its other task, skipping gpu tests without CUDA, does not arise here.
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "--noconftest", "-p", "no:cacheprovider", *GPU_TESTS]
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=_TESTS_TIMEOUT_S)
+    tail = (proc.stdout + proc.stderr)[-6000:]
+    counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (passed|failed|skipped|errors?)\b", tail)}
+    if proc.returncode != 0 or not counts.get("passed"):
+        raise RuntimeError(f"pytest -m gpu on {', '.join(GPU_TESTS)} exited {proc.returncode} ({counts}):\n{tail}")
+    return {"headline": {"passed": counts["passed"], "skipped": counts.get("skipped", 0)}, "files": list(GPU_TESTS),
+            "output_tail": tail}
+
+
 _PART_FUNCS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "trainer": trainer_part,
     "dense": dense_part,
     "memory": memory_part,
     "r3": r3_part,
     "engine": engine_part,
+    "tests": tests_part,
 }
 
 

@@ -32,6 +32,7 @@ from pipeline.config.producer import (
     REWARD_SIGNATURE,
     ROLLOUT_SIGNATURE,
     ProducerConfig,
+    SamplingConfig,
 )
 from pipeline.config.prompts import SYNTHETIC_TASK_SPACES, PromptConfig
 from pipeline.config.queue import QueueConfig
@@ -105,6 +106,22 @@ class SluiceConfig(Strict):
                         "train off-policy)", lag)
         staleness["max_lag"] = 0
         return {**data, "staleness": staleness}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _constant_norm_budget(cls, data: Any) -> Any:
+        """Dr. GRPO's constant is the generation budget: constant_norm without a norm_length takes the producers'
+        max_new_tokens, so that the denominator is the same every step and counts no prompt token."""
+        if not isinstance(data, dict):
+            return data
+        trainer = data.get("trainer") if isinstance(data.get("trainer"), dict) else {}
+        loss = trainer.get("loss") if isinstance(trainer.get("loss"), dict) else {}
+        if loss.get("aggregation") != "constant_norm" or loss.get("norm_length") is not None:
+            return data
+        producer = data.get("producer") if isinstance(data.get("producer"), dict) else {}
+        sampling = producer.get("sampling") if isinstance(producer.get("sampling"), dict) else {}
+        budget = sampling.get("max_new_tokens", SamplingConfig.model_fields["max_new_tokens"].default)
+        return {**data, "trainer": {**trainer, "loss": {**loss, "norm_length": budget}}}
 
     @model_validator(mode="after")
     def _cross_checks(self) -> SluiceConfig:

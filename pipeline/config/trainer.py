@@ -95,6 +95,25 @@ class CorrectionConfig(BaseModel):
                 "correction.type='icepop' masks single tokens; level='sequence' does not apply. Use type='mis' with "
                 "level='sequence' for a sequence-level mask, or set level='token'."
             )
+        if self.type in ("none", "is") and self.level == "sequence":
+            raise ConfigError(
+                f"correction.type={self.type!r} has no sequence level (level='sequence' applies to 'tis' and 'mis'): "
+                "a sequence's untruncated weight is the product of its tokens', which overflows on long responses. "
+                "Use type='tis' or 'mis' with level='sequence', or set level='token'."
+            )
+        # Moved off its default, but read by no correction of this type: a recipe that sets it expects an effect it
+        # would not get. (Defaults, not the fields a recipe named: a run's resolved config names every field.)
+        unused = {"cap": self.type != "tis", "low": self.type not in ("mis", "icepop"),
+                  "high": self.type not in ("mis", "icepop"), "sequence_weight": self.level != "sequence"}
+        ignored = sorted(name for name, skip in unused.items()
+                         if skip and getattr(self, name) != type(self).model_fields[name].default)
+        if ignored:
+            raise ConfigError(
+                f"correction {', '.join(ignored)} {'is' if len(ignored) == 1 else 'are'} set but correction.type = "
+                f"{self.type!r}, level = {self.level!r} does not use {'it' if len(ignored) == 1 else 'them'} "
+                "(cap: tis; low, high: mis and icepop; sequence_weight: level = 'sequence'); remove "
+                f"{'it' if len(ignored) == 1 else 'them'} or change the type"
+            )
         low, high = self.bounds()
         if low >= high:
             raise ConfigError(f"correction bounds low={low} >= high={high}; the kept interval [low, high] is empty")
@@ -157,7 +176,9 @@ class LossConfig(BaseModel):
     """Weight of the KL penalty to the reference policy, added to the loss; 0 = no reference model needed."""
 
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """KL(current || ref) estimator per token: k1, k2 or k3 (see :func:`kl_penalty`); k3 is GRPO's."""
+    """KL(current || ref) estimator per token: k1, k2 or k3 (see :func:`kl_penalty`); k3 is GRPO's. Each token's value
+    is bounded to [-10, 10] in the loss, so a token far from the reference adds at most 10 * kl_coef and no
+    gradient."""
 
     entropy_coef: float = Field(default=0.0, ge=0.0, le=100.0)
     """Weight of an entropy bonus subtracted from the loss; needs logits or entropy; 0 = metric only."""
@@ -167,7 +188,9 @@ class LossConfig(BaseModel):
     sum over (sequences * norm_length)."""
 
     norm_length: int | None = Field(default=None, ge=1, le=10_000_000)
-    """The constant length for aggregation='constant_norm'; None = the padded length T of the batch."""
+    """The constant length L of aggregation='constant_norm', in response tokens: Dr. GRPO's fixed generation budget.
+    A recipe that leaves it unset gets producer.sampling.max_new_tokens; the train step refuses constant_norm
+    without it (a length taken from each batch would count prompt tokens and change from step to step)."""
 
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     """GRPO advantage settings."""
@@ -185,6 +208,13 @@ class LossConfig(BaseModel):
     entropy_grad: bool = False
     """Hand loss plug-ins an entropy that carries gradient (a term that raises entropy needs it); it keeps the
     [B, T, V] softmax graph alive, so it is off unless asked for (entropy_coef > 0 turns it on anyway)."""
+
+    @model_validator(mode="after")
+    def _check_norm_length(self) -> LossConfig:
+        if self.norm_length is not None and self.aggregation != "constant_norm":
+            raise ConfigError(f"trainer.loss.norm_length = {self.norm_length} is only read by aggregation = "
+                              f"'constant_norm', not {self.aggregation!r}; remove it or change the aggregation")
+        return self
 
     @model_validator(mode="after")
     def _check_plugins(self) -> LossConfig:
@@ -288,6 +318,11 @@ class TrainerConfig(TrainStepConfig):
     """Checkpoints kept on disk."""
     drain_block_ms: int = Field(1000, ge=1)
     """How long one queue read waits for entries."""
+    fetch: Literal["readers", "rank0"] = "readers"
+    """Who fetches a step's sample payloads. "readers": rank 0 decides from the stream's headers and sends each
+    data-parallel replica the keys of its share, balanced by tokens; the replica's first rank fetches them and passes
+    them to its tensor-parallel peers. "rank0": rank 0 fetches every payload and broadcasts the batch to every rank
+    (the older path, kept to compare against)."""
     overlap_push: bool = True
     """Push each step's weights in the background while the next batch is drained and trained (the version still
     advances only once every engine has them); false pushes before the next drain."""

@@ -321,9 +321,12 @@ _TE_FUSED_NORMS = (
 
 def named_weights(mg_model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(local-spec name, tensor) of every weight an HF checkpoint holds: the parameters (tied output weights
-    appear once, as the embedding) and the routers' expert biases, which megatron keeps as buffers (they are set by
-    a rule, not by gradients) while HF checkpoints store them as ``e_score_correction_bias``."""
+    appear once, as the embedding; LoRA adapters not at all) and the routers' expert biases, which megatron keeps as
+    buffers (they are set by a rule, not by gradients) while HF checkpoints store them as
+    ``e_score_correction_bias``."""
     for name, param in mg_model.named_parameters():
+        if ".lora_" in name:
+            continue  # a LoRA adapter (megatron/lora.py): no HF checkpoint holds it; the base weight is exported as is
         for te_suffix, local_suffix in _TE_FUSED_NORMS:
             if name.endswith(te_suffix):
                 name = name[: -len(te_suffix)] + local_suffix

@@ -52,6 +52,10 @@ Tensor = torch.Tensor
 # exp() of a log-ratio beyond this overflows float32 products downstream; such tokens are far outside any clip range
 # or correction bound, so clamping changes no decision, only keeps inf/nan out of the loss.
 _MAX_LOG_RATIO = 20.0
+# The KL penalty's per-token value is bounded to this (verl bounds its own the same way): k3 = exp(-x) - 1 + x grows
+# exponentially in the log-ratio, so one token far below the reference (x = -15) would put about 3e6 * kl_coef into
+# the loss and dominate the step. A token beyond the bound contributes a constant, and no gradient.
+_MAX_KL = 10.0
 
 # ---------------------------------------------------------------------------------------------------------- advantages
 
@@ -342,7 +346,8 @@ def _reference_kl(cur: Tensor, ref: Tensor | None, mask: Tensor, cfg: LossConfig
             f"loss.kl_coef={cfg.kl_coef} needs reference log-probs (ref=...); pass them, or set loss.kl_coef=0"
         )
     _check_same_shape(current=cur, ref=ref)
-    return kl_penalty(cur, torch.where(mask, ref.detach().float(), 0.0), cfg.kl_estimator)
+    kl = kl_penalty(cur, torch.where(mask, ref.detach().float(), 0.0), cfg.kl_estimator)
+    return kl.clamp(-_MAX_KL, _MAX_KL)
 
 
 def _entropy(logits: Tensor | None, entropy: Tensor | None, mask: Tensor, cfg: LossConfig) -> Tensor | None:

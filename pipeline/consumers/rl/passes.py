@@ -310,7 +310,7 @@ class Passes:
             sample_weights=mb.sample_weights.to(device), token_versions=mb.token_versions.to(device),
             rewards=mb.rewards.to(device), group_index=mb.group_index.to(device), targets=mb.targets.to(device),
             ref=ref, entropy=ent, aux_losses={}, sample_ids=mb.sample_ids, aggregation=cfg.aggregation,
-            norm_length=cfg.norm_length or mb.seq_len - 1,
+            norm_length=cfg.norm_length or 1,  # read by constant_norm alone, which the train step makes set it
             share=local_units(mb.loss_mask, mb.sample_ids, cfg.aggregation) / norms.normalizer,
         )
         metrics = dict(metrics)

@@ -110,8 +110,8 @@ class TrainStep:
     """Holds the megatron ``GPTModel``, its optimizer and the loss; ``step(groups)`` trains on one batch.
 
     ``model`` must be built with ``build_gpt_model(..., r3=True)`` for R3 on a MoE model (megatron only creates its
-    replay hooks then); ``optimizer`` defaults to AdamW over the model's parameters (megatron's distributed
-    optimizer is wrong on CPU, and the gradient all-reduce here replaces its DDP wrapper). ``reference`` is the
+    replay hooks then); the updater is ``build_updater``'s: megatron's DDP and distributed optimizer on CUDA, AdamW
+    with an explicit gradient all-reduce elsewhere or when an ``optimizer`` is passed in. ``reference`` is the
     frozen KL anchor that ``loss.kl_coef > 0`` needs: a second model built like ``model`` (same layout, same ``r3``)
     holding the starting weights; the step turns off its gradients and never saves it.
     """
@@ -126,6 +126,9 @@ class TrainStep:
         reference: torch.nn.Module | None = None,
         total_steps: int | None = None,
     ) -> None:
+        if cfg.loss.aggregation == "constant_norm" and cfg.loss.norm_length is None:
+            raise ConfigError("trainer.loss.aggregation = 'constant_norm' needs trainer.loss.norm_length, the fixed "
+                              "generation budget it divides by (a recipe fills in producer.sampling.max_new_tokens)")
         self.model = model
         self.model_cfg = model_cfg
         self.cfg = cfg
@@ -172,9 +175,15 @@ class TrainStep:
         acc.add(num_samples=batch.num_rows, num_trainable_samples=int(batch.trainable.sum()),
                 num_groups=len(groups), num_tokens=batch.num_loss_tokens, reward_sum=float(batch.rewards.sum()),
                 advantage_abs_sum=float(batch.advantages.abs().sum()))
-        proximal, reference = self._proximal(batch, acc)
+        # Samples that carry no loss (failed, aborted, empty) have done their part in their groups' advantages;
+        # their rows would only cost forward passes.
+        keep = [b for b in range(batch.num_rows) if bool(batch.trainable[b]) and int(batch.response_lens[b]) > 0]
+        if keep and len(keep) < batch.num_rows:
+            batch = batch.select(keep, pad_multiple=self.passes.sp()[1])
+        plan = self._mini_batch_rows(batch)
+        proximal, reference = self._proximal(batch, plan[: self.cfg.mini_batches], acc)
         t_train = time.perf_counter()
-        updates = [self._update(batch, rows, proximal, reference, acc) for rows in self._mini_batch_rows(batch)]
+        updates = [self._update(batch, rows, proximal, reference, acc) for rows in plan]
         end = time.perf_counter()
         acc.maxes["time/step_s"] = end - start
         sums, maxes = acc.reduce(self._dp_group())
@@ -265,24 +274,39 @@ class TrainStep:
             pad_multiple=self.passes.sp()[1],
         )
 
-    def _proximal(self, batch: TrainBatch, acc: Accumulator) -> tuple[Tensor, Tensor | None]:
+    def _proximal(self, batch: TrainBatch, parts: list[list[int]],
+                  acc: Accumulator) -> tuple[Tensor, Tensor | None]:
         """Row-indexed ``[B, T-1]`` proximal (and reference) log-probs of the whole batch, computed once before the
-        first optimizer step: every mini-batch's ratio current/proximal is then measured from the same weights."""
-        micro_rows = split_rows(batch, max_samples=self.cfg.micro_batch_samples, max_tokens=self.cfg.micro_batch_tokens,
-                                pad_multiple=self.passes.sp()[1])
-        micro = self._equalize([batch.select(rows, pad_multiple=self.passes.sp()[1]) for rows in micro_rows])
-        acc.add(micro_batches=len(micro), padded_tokens=sum(mb.num_rows * mb.seq_len for mb in micro))
+        first optimizer step: every mini-batch's ratio current/proximal is then measured from the same weights.
+
+        ``parts`` are the first epoch's mini-batches (together, every row once). Each is cut into micro-batches exactly
+        as its optimizer step cuts it, so that kernels that are not batch-invariant (bf16 on GPU) see the same shapes
+        and neighbours in both passes, and the ratio is 1 before the first update."""
         proximal = torch.zeros(batch.num_rows, batch.seq_len - 1)
         reference = None if self.reference is None else torch.zeros_like(proximal)
-        for i, mb in enumerate(micro):
-            prox, ref = self.passes.proximal_pass(mb, acc)
-            if i >= len(micro_rows):
-                continue  # an EP placeholder
-            rows, cols = micro_rows[i], min(prox.shape[1], batch.seq_len - 1)
-            proximal[rows, :cols] = prox[: len(rows), :cols].float().cpu()
-            if reference is not None and ref is not None:
-                reference[rows, :cols] = ref[: len(rows), :cols].float().cpu()
+        for part in parts:
+            micro_rows, micro = self._micro_batches(batch, part)
+            acc.add(micro_batches=len(micro), padded_tokens=sum(mb.num_rows * mb.seq_len for mb in micro))
+            for i, mb in enumerate(micro):
+                prox, ref = self.passes.proximal_pass(mb, acc)
+                if i >= len(micro_rows):
+                    continue  # a placeholder: an EP rank's, or an empty mini-batch's
+                rows, cols = micro_rows[i], min(prox.shape[1], batch.seq_len - 1)
+                proximal[rows, :cols] = prox[: len(rows), :cols].float().cpu()
+                if reference is not None and ref is not None:
+                    reference[rows, :cols] = ref[: len(rows), :cols].float().cpu()
         return proximal, reference
+
+    def _micro_batches(self, batch: TrainBatch, rows: list[int]) -> tuple[list[list[int]], list[TrainBatch]]:
+        """The micro-batches of one mini-batch (``rows`` of the batch): the rows of each, and each as the forward
+        takes it, with placeholders where this rank has none or expert parallelism needs more."""
+        pad = self.passes.sp()[1]
+        micro_rows = split_rows(batch, max_samples=self.cfg.micro_batch_samples,
+                                max_tokens=self.cfg.micro_batch_tokens, pad_multiple=pad, rows=rows) if rows else []
+        micro = [batch.select(r, pad_multiple=pad) for r in micro_rows]
+        if not micro:
+            micro = [empty_like(batch, pad_token_id=self.cfg.pad_token_id)]
+        return micro_rows, self._equalize(micro)
 
     def _mini_batch_rows(self, batch: TrainBatch) -> list[list[int]]:
         """The rows of each optimizer step: per epoch a fresh seeded shuffle split into ``mini_batches`` parts.
@@ -303,20 +327,15 @@ class TrainStep:
     def _update(self, batch: TrainBatch, rows: list[int], proximal: Tensor, reference: Tensor | None,
                 acc: Accumulator) -> dict[str, float]:
         """One optimizer step on ``rows`` of the batch."""
-        pad = self.passes.sp()[1]
-        micro_rows = split_rows(batch, max_samples=self.cfg.micro_batch_samples,
-                                max_tokens=self.cfg.micro_batch_tokens, pad_multiple=pad, rows=rows) if rows else []
-        micro = [batch.select(r, pad_multiple=pad) for r in micro_rows]
-        if not micro:
-            micro = [empty_like(batch, pad_token_id=self.cfg.pad_token_id)]
-        micro = self._equalize(micro)
+        micro_rows, micro = self._micro_batches(batch, rows)
         norms = self._global_norms(micro)
         self.updater.zero_grad()
         for i, mb in enumerate(micro):
             real = micro_rows[i] if i < len(micro_rows) else []
             prox = _rows_of(proximal, real, mb)
             ref = None if reference is None else _rows_of(reference, real, mb)
-            self.passes.train_micro_batch(mb, prox, ref, norms, acc)
+            with self.updater.backward_of(last=i == len(micro) - 1):
+                self.passes.train_micro_batch(mb, prox, ref, norms, acc)
         lr = lr_at(self.optimizer_steps, self.cfg.lr, self.cfg.lr_schedule, self.total_optimizer_steps,
                    samples=self.samples_trained)
         update = self.updater.step(lr, skip=norms.tokens == 0)
@@ -355,17 +374,12 @@ class TrainStep:
             ],
             dtype=torch.float64,
         )
-        longest = torch.tensor([max((mb.seq_len - 1 for mb in real), default=1)], dtype=torch.int64)
         group = self._dp_group()
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(counts, group=group)
-            dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=group)
         tokens, sequences, rows = counts.tolist()
         loss_cfg = self.cfg.loss
         normalizer = {"token_mean": tokens, "sequence_mean": sequences, "constant_norm": rows}[loss_cfg.aggregation]
-        if loss_cfg.aggregation == "constant_norm" and loss_cfg.norm_length is None:
-            # Dr. GRPO's constant must not depend on how this rank's micro-batches happened to be padded.
-            loss_cfg = loss_cfg.model_copy(update={"norm_length": int(longest)})
         return Norms(tokens=tokens, normalizer=max(normalizer, 1.0), loss_cfg=loss_cfg)
 
     def _dp_group(self) -> Any:
