@@ -6,12 +6,18 @@ events streams, the ``policy_version`` counter, the ledger's Parquet segments, t
 checkpoints' ``sluice_meta.json``. It imports no sluice reader (``SampleQueue``, ``read_ledger``, ``ArchiveReader``,
 ``audit_trainer``), so a bug in those cannot hide a loss from it. ``check`` is a pure function of a ``RunRecord``, so
 a test can feed it a doctored record and see that it reports what it should.
+
+The run's Redis may be one server or a Redis Cluster (a ``redis+cluster://`` URL, ``raw_client``). On a cluster the
+run's control keys share one slot, so the same commands read them; payload keys are spread over every primary, and
+are counted by a ``SCAN`` of each primary.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import threading
+import zlib
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,12 +27,29 @@ from typing import Any
 import msgpack
 import pyarrow.parquet as pq
 import redis
+from redis.cluster import ClusterNode, RedisCluster
 
+from pipeline.queue.connection import cluster_startup_nodes, is_cluster_url
 from pipeline.queue.redis_streams import GONE_REASON
 from pipeline.rundir import archive_dir, ledger_dir, run_checkpoints
 
 TAP_GROUP = "faults-tap"
 TAP_CONSUMER = "harness"
+#: The archive's consumer groups: ``archive`` for one archiver, ``archive-i-of-M`` for archiver i of M
+#: (``queue.archive.processes``). Written out here rather than imported, like the ownership rule below, so that a
+#: wrong split in the archiver cannot agree with itself in the check.
+_ARCHIVE_GROUP = re.compile(r"^archive(?:-(\d+)-of-(\d+))?$")
+
+RawClient = redis.Redis | RedisCluster
+
+
+def raw_client(url: str, **kwargs: Any) -> RawClient:
+    """A plain redis-py client of ``url``: ``RedisCluster`` for a ``redis+cluster://`` URL (every node it names a
+    startup node), else ``redis.Redis``. RESP2, as the run's own clients speak."""
+    if is_cluster_url(url):
+        base, nodes = cluster_startup_nodes(url)
+        return RedisCluster(url=base, startup_nodes=[ClusterNode(h, p) for h, p in nodes[1:]], protocol=2, **kwargs)
+    return redis.Redis.from_url(url, protocol=2, **kwargs)
 
 
 def _s(x: Any) -> str:
@@ -36,6 +59,10 @@ def _s(x: Any) -> str:
 def _id(entry_id: str) -> tuple[int, int]:
     ms, _, seq = entry_id.partition("-")
     return int(ms), int(seq or 0)
+
+
+def _field(fields: dict[Any, Any], name: str) -> Any:
+    return fields.get(name.encode(), fields.get(name))
 
 
 def sample_ids_of(fields: dict[Any, Any] | None) -> list[str] | None:
@@ -54,6 +81,19 @@ def sample_ids_of(fields: dict[Any, Any] | None) -> list[str] | None:
         return None
 
 
+def group_id_of(fields: dict[Any, Any] | None) -> str | None:
+    """The prompt group id of one stream entry (what decides which archiver owns it); None if unreadable."""
+    if not fields:
+        return None
+    try:
+        head = _field(fields, "head")
+        if head is not None:
+            return str(msgpack.unpackb(head, raw=False)["group_id"][0])
+        return str(msgpack.unpackb(_field(fields, "data"), raw=False)["samples"][0]["group_id"])
+    except Exception:  # malformed: the entry is owned by no archiver the check can name
+        return None
+
+
 class StreamTap:
     """Records every entry that reaches the samples stream, through a consumer group of the harness's own.
 
@@ -68,9 +108,10 @@ class StreamTap:
         self.stream = stream
         self.poll_s = poll_s
         self.entries: dict[str, list[str] | None] = {}
+        self.group_ids: dict[str, str | None] = {}
         self.attached_empty: bool | None = None  # the stream was empty when the group was made (nothing missed)
         self.errors = 0
-        self._client: redis.Redis | None = None
+        self._client: RawClient | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -86,15 +127,15 @@ class StreamTap:
             self._thread.join(10)
         self._client = None
 
-    def _connect(self) -> redis.Redis | None:
+    def _connect(self) -> RawClient | None:
         url = self._url()
         if url is None:
             return None
-        client = redis.Redis.from_url(url, protocol=2, socket_timeout=5, socket_connect_timeout=2)
+        client = raw_client(url, socket_timeout=5, socket_connect_timeout=2)
         self.attach(client)
         return client
 
-    def attach(self, client: redis.Redis) -> None:
+    def attach(self, client: RawClient) -> None:
         try:
             if self.attached_empty is None:
                 self.attached_empty = int(client.xlen(self.stream)) == 0
@@ -112,10 +153,12 @@ class StreamTap:
                     self.drain(self._client)
             except (redis.RedisError, OSError):
                 self.errors += 1  # Redis killed or restarting: reconnect (the URL may have changed) and go on
+                if self._client is not None:
+                    self._client.close()
                 self._client = None
             self._stop.wait(self.poll_s)
 
-    def drain(self, client: redis.Redis) -> int:
+    def drain(self, client: RawClient) -> int:
         """Read this tap's pending entries, then every new one, record and ack them; returns how many."""
         n = 0
         with self._lock:
@@ -129,6 +172,7 @@ class StreamTap:
                     for entry_id, fields in rows:
                         if fields is not None or entry_id not in self.entries:
                             self.entries[entry_id] = sample_ids_of(fields)
+                            self.group_ids[entry_id] = group_id_of(fields)
                     client.xack(self.stream, TAP_GROUP, *[i for i, _ in rows])
                     n += len(rows)
                     if start == "0":
@@ -162,10 +206,22 @@ class RunRecord:
     """(step, policy_version) of the newest complete checkpoint's metadata."""
     archive_rows: list[tuple[str, str]] | None
     """(stream id, sample id) of every archived sample; None when the archive is off."""
-    archive_pending: set[str] = field(default_factory=set)
-    archive_last: str | None = None
+    archive_pending: dict[str, set[str]] = field(default_factory=dict)
+    """Per archive group (``archive``, or ``archive-i-of-M``), the entries pending in it."""
+    archive_last: dict[str, str | None] = field(default_factory=dict)
+    """Per archive group, its last-delivered id."""
     archive_deadletter_ids: set[str] = field(default_factory=set)
-    """Entries the archiver's group dead-lettered for their content."""
+    """Entries an archiver's group dead-lettered for their content."""
+    group_ids: dict[str, str | None] = field(default_factory=dict)
+    """Tapped entry id -> its prompt group id (which archiver owns it); None: unreadable."""
+    payload_keys: dict[str, list[str]] = field(default_factory=dict)
+    """The run's payload keys left on each server (every primary of a cluster), by server."""
+    stream_payloads: dict[str, str] = field(default_factory=dict)
+    """Entry id -> payload key, for the entries still in the stream."""
+    trash: int = 0
+    """Payload keys still named in the trash set (a trim's second move not yet done)."""
+    unacked: dict[str, int] = field(default_factory=dict)
+    """Per consumer group of the samples stream, the entries delivered to it and never acked."""
 
 
 @dataclass
@@ -185,10 +241,16 @@ class Verdict:
     archive_problems: list[str]
     lost_ids: list[str] = field(default_factory=list)
     duplicated_ids: list[str] = field(default_factory=list)
+    payload_keys_left: int = 0
+    """Payload keys that nothing will delete: no entry still in the stream names them."""
+    unacked_left: int = 0
+    """Entries delivered to some consumer group and never acked, summed over the groups."""
+    leftover_problems: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not (self.lost or self.duplicated or self.phantom or self.version_problems or self.archive_problems)
+        return not (self.lost or self.duplicated or self.phantom or self.version_problems or self.archive_problems
+                    or self.leftover_problems)
 
 
 def _delivered_to(entry_id: str, last: str | None) -> bool:
@@ -219,13 +281,42 @@ def check(r: RunRecord) -> Verdict:
     duplicated = sorted(sid for sid, f in fates.items() if len(f) > 1)
     phantom = [sid for sid in fates if sid not in entries_of]
     counts = Counter(line["fate"] for line in r.ledger)
+    orphans = orphan_payloads(r)
+    unacked = sum(r.unacked.values())
     return Verdict(
         samples=len(entries_of), trained=counts["trained"], stale=counts["stale"], lost=len(lost),
         duplicated=len(duplicated), phantom=len(phantom),
         committed_step=r.newest_checkpoint[0] if r.newest_checkpoint else -1,
         version_problems=version_problems(r), archive_problems=archive_problems(r),
-        lost_ids=lost[:20], duplicated_ids=duplicated[:20],
+        lost_ids=lost[:20], duplicated_ids=duplicated[:20], payload_keys_left=len(orphans), unacked_left=unacked,
+        leftover_problems=leftover_problems(r, orphans),
     )
+
+
+def orphan_payloads(r: RunRecord) -> list[str]:
+    """Payload keys on any server that no entry still in the stream names. A finished run keeps the entries its
+    trainer did not reach (the producers run ahead of it), with their payloads, for a resumed run; any other payload
+    key is one that no trim will ever delete."""
+    named = set(r.stream_payloads.values())
+    return sorted(k for keys in r.payload_keys.values() for k in keys if k not in named)
+
+
+def leftover_problems(r: RunRecord, orphans: list[str]) -> list[str]:
+    """What a finished run must not leave behind: payload keys nothing deletes, keys waiting in the trash, entries
+    delivered and never acked, and entries in the stream whose payload is gone."""
+    out = []
+    if orphans:
+        where = sorted(node for node, keys in r.payload_keys.items() if set(keys) & set(orphans))
+        out.append(f"{len(orphans)} payload keys that no stream entry names, on {', '.join(where)}, "
+                   f"e.g. {orphans[:3]}")
+    if r.trash:
+        out.append(f"{r.trash} payload keys left in the trash set")
+    if unacked := {g: n for g, n in r.unacked.items() if n}:
+        out.append(f"entries delivered and never acked: {unacked}")
+    have = {k for keys in r.payload_keys.values() for k in keys}
+    if missing := sorted(e for e, k in r.stream_payloads.items() if k not in have):
+        out.append(f"{len(missing)} stream entries whose payload is gone, e.g. {missing[:3]}")
+    return out
 
 
 def version_problems(r: RunRecord) -> list[str]:
@@ -269,8 +360,7 @@ def archive_problems(r: RunRecord) -> list[str]:
     tapped = set(r.tapped)
     if extra := archived - tapped:
         out.append(f"{len(extra)} archived entries never reached the stream, e.g. {sorted(extra)[:3]}")
-    waiting = {e for e in tapped - archived
-               if e in r.archive_pending or (e in r.stream_ids and not _delivered_to(e, r.archive_last))}
+    waiting = {e for e in tapped - archived if _archive_waiting(r, e)}
     if missing := tapped - archived - waiting - r.archive_deadletter_ids:
         out.append(f"{len(missing)} stream entries missing from the archive, e.g. {sorted(missing)[:3]}")
     for entry_id in archived & tapped:
@@ -282,12 +372,45 @@ def archive_problems(r: RunRecord) -> list[str]:
     return out
 
 
+def archive_owner(group_id: str | None, groups: list[str]) -> str | None:
+    """The archive group that must archive an entry of prompt group ``group_id``, given the run's archive groups:
+    ``archive`` alone, or ``archive-i-of-M`` with i = crc32(group id) mod M (docs/architecture.md). None when that
+    cannot be told (an unreadable entry, no archive group yet)."""
+    if "archive" in groups:
+        return "archive"
+    splits = {int(m[2]) for g in groups if (m := _ARCHIVE_GROUP.match(g)) is not None and m[2] is not None}
+    if group_id is None or len(splits) != 1:
+        return None
+    m_ = splits.pop()
+    return f"archive-{zlib.crc32(group_id.encode()) % m_}-of-{m_}"
+
+
+def _archive_waiting(r: RunRecord, entry_id: str) -> bool:
+    """Whether an entry not in the archive is still its archiver's to read: pending in the owner's group, or in the
+    stream and not yet delivered to it. When the owner cannot be told, any archive group that still holds it
+    answers."""
+    groups = sorted(r.archive_last)
+    if not groups:
+        return entry_id in r.stream_ids  # no archiver has made its group yet: every entry is still to come
+    owner = archive_owner(r.group_ids.get(entry_id), groups)
+    for g in [owner] if owner is not None else groups:
+        if entry_id in r.archive_pending.get(g, set()) or (
+                entry_id in r.stream_ids and not _delivered_to(entry_id, r.archive_last.get(g))):
+            return True
+    return False
+
+
 # ------------------------------------------------------------------------------------------------------- collect
-def _group(client: redis.Redis, stream: str, name: str) -> tuple[set[str], str | None]:
+def _groups(client: RawClient, stream: str) -> dict[str, dict[str, Any]]:
+    """The stream's consumer groups by name, as ``XINFO GROUPS`` describes them."""
     try:
-        groups = {_s(g["name"]): g for g in client.xinfo_groups(stream)}
+        return {_s(g["name"]): g for g in client.xinfo_groups(stream)}
     except redis.ResponseError:
-        return set(), None
+        return {}
+
+
+def _group(client: RawClient, stream: str, name: str) -> tuple[set[str], str | None]:
+    groups = _groups(client, stream)
     if name not in groups:
         return set(), None
     pending: set[str] = set()
@@ -301,13 +424,13 @@ def _group(client: redis.Redis, stream: str, name: str) -> tuple[set[str], str |
     return pending, _s(groups[name]["last-delivered-id"])
 
 
-def _xrange(client: redis.Redis, key: str) -> list[tuple[str, dict[str, str]]]:
+def _xrange(client: RawClient, key: str, keep: tuple[str, ...] | None = None) -> list[tuple[str, dict[str, str]]]:
+    """Every entry of ``key``, with the fields named in ``keep`` (every field when None) as text."""
     out = []
     lo = "-"
     while True:
         rows = client.xrange(key, min=lo, max="+", count=1000)
-        out += [(_s(i), {_s(k): _s(v) for k, v in f.items()} if key.endswith((":events", ":deadletter")) else {})
-                for i, f in rows]
+        out += [(_s(i), {_s(k): _s(v) for k, v in f.items() if keep is None or _s(k) in keep}) for i, f in rows]
         if len(rows) < 1000:
             return out
         lo = "(" + _s(rows[-1][0])
@@ -337,17 +460,44 @@ def archived_rows(run_dir: Path) -> list[tuple[str, str]]:
     return rows
 
 
-def collect(client: redis.Redis, prefix: str, run_dir: Path, tap: StreamTap, archive_on: bool) -> RunRecord:
+def run_of(prefix: str) -> str:
+    """The run's name in its key prefix ``sluice:{run}``."""
+    return prefix[prefix.index("{") + 1:prefix.rindex("}")]
+
+
+def payload_keys(client: RawClient, run: str) -> dict[str, list[str]]:
+    """The run's payload keys on each server, by server: every primary of a cluster (its own tag and its shard tags
+    ``{run/i}``), or the one server."""
+    if isinstance(client, RedisCluster):
+        servers = [(n.name, client.get_redis_connection(n)) for n in client.get_primaries()]
+    else:
+        servers = [("server", client)]
+    out: dict[str, list[str]] = {}
+    for name, node in servers:
+        found: set[str] = set()
+        for pattern in (f"sluice:{{{run}}}:payload:*", f"sluice:{{{run}/*}}:payload:*"):
+            found.update(_s(k) for k in node.scan_iter(match=pattern, count=1000))
+        out[name] = sorted(found)
+    return out
+
+
+def collect(client: RawClient, prefix: str, run_dir: Path, tap: StreamTap, archive_on: bool) -> RunRecord:
     """Read what a finished trial left: call with the run's Redis up and the launcher gone."""
     stream = f"{prefix}:samples"
     tap.drain(client)  # what the tap had not read yet is still in the stream: its group holds it there
     pending, last = _group(client, stream, "trainer")
-    apending, alast = _group(client, stream, "archive")
+    groups = _groups(client, stream)
+    archives = sorted(g for g in groups if _ARCHIVE_GROUP.match(g))
+    apending: dict[str, set[str]] = {}
+    alast: dict[str, str | None] = {}
+    for g in archives:
+        apending[g], alast[g] = _group(client, stream, g)
     events = _xrange(client, f"{prefix}:events")
     dead = _dead_lettered(client, prefix)
     ckpt = newest_checkpoint(run_dir)
+    entries = _xrange(client, stream, keep=("pkey",))
     return RunRecord(
-        tapped=dict(tap.entries), stream_ids={i for i, _ in _xrange(client, stream)},
+        tapped=dict(tap.entries), stream_ids={i for i, _ in entries},
         trainer_pending=pending, trainer_last=last,
         deadletter_ids=dead.get("trainer", set()),
         ledger=committed_ledger(run_dir, ckpt[0] if ckpt else -1),
@@ -355,11 +505,16 @@ def collect(client: redis.Redis, prefix: str, run_dir: Path, tap: StreamTap, arc
         pushes=[int(e["version"]) for _, e in events if e.get("kind") == "weight_push"],
         event_checkpoints=[(int(e["step"]), int(e["version"])) for _, e in events if e.get("kind") == "checkpoint"],
         newest_checkpoint=ckpt, archive_rows=archived_rows(run_dir) if archive_on else None,
-        archive_pending=apending, archive_last=alast, archive_deadletter_ids=dead.get("archive", set()),
+        archive_pending=apending, archive_last=alast,
+        archive_deadletter_ids=set().union(*(dead.get(g, set()) for g in archives)),
+        group_ids=dict(tap.group_ids), payload_keys=payload_keys(client, run_of(prefix)),
+        stream_payloads={i: f["pkey"] for i, f in entries if "pkey" in f},
+        trash=int(client.scard(f"{prefix}:payload_trash")),
+        unacked={g: int(info["pending"]) for g, info in groups.items()},
     )
 
 
-def _dead_lettered(client: redis.Redis, prefix: str) -> dict[str, set[str]]:
+def _dead_lettered(client: RawClient, prefix: str) -> dict[str, set[str]]:
     """Per group, the entries it dead-lettered for their content."""
     out: dict[str, set[str]] = {}
     for i, f in _xrange(client, f"{prefix}:deadletter"):

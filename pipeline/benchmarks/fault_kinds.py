@@ -18,6 +18,17 @@ fraction of a second more and kills with SIGKILL. What each kind observes to hit
 - ``trainer-rank``: the trial trains with two expert-parallel ranks, and rank 1 is killed after a drawn step. Every
   collective of rank 0 then fails or times out, and the launcher must restart the two ranks as one group.
   ``trainer-rank0`` kills rank 0 of the two instead: the rank that hosts the group's store and pushes the weights.
+- ``reader`` (on a Redis Cluster): the trial trains with two data-parallel replicas, each of whose first rank fetches
+  its share of every step's payloads (``trainer.fetch = "readers"``), and data-parallel rank 1 is killed while it
+  fetches. A fetch of the tiny CPU payloads takes milliseconds, so the harness holds it open: at the drawn moment it
+  stops (SIGSTOP) every primary that holds payload shards but not the run's own tag (the stream, the version, the
+  pacing keys), so rank 0 still decides the next step and sends its plan, and a reader whose share has a key on a
+  stopped primary waits for the answer. The kill *lands* when rank 1 was seen waiting so: one of its TCP
+  connections to a stopped primary holds a request the primary has not read (the primary's receive queue in
+  ``/proc/net/tcp``). Rank 1 is killed then, and the primaries continued (SIGCONT) once it is gone. If rank 1's
+  share of that step lies wholly on the running primary, the step goes on (or waits for rank 0's own fetch): the
+  primaries are continued, and the next step is tried, three times in all; a kill after the third try is counted
+  as not landed.
 
 The victims are found by the ``SLUICE_RUN_DIR`` the launcher gives each process of the run and by their command line
 (the process itself, never its reaper or Ray's workers).
@@ -37,12 +48,16 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-import redis
 
-from pipeline.rundir import TMP_SUFFIX, checkpoint_path, placements_path, redis_dir, trainer_metrics_path
+from pipeline.benchmarks.fault_check import raw_client
+from pipeline.rundir import TMP_SUFFIX, checkpoint_path, config_path, placements_path, redis_dir, trainer_metrics_path
 
 KINDS = ("producer", "engine", "trainer-step", "trainer-checkpoint", "trainer-push", "archiver", "evaluator", "redis",
-         "ray-node", "trainer-rank", "trainer-rank0", "trainer-engine")
+         "ray-node", "trainer-rank", "trainer-rank0", "trainer-engine", "reader")
+#: Kinds that need the run's queue on a Redis Cluster (``sluice bench faults --redis cluster``).
+CLUSTER_ONLY = ("reader",)
+#: Kinds that need the run's embedded Redis: one kills it, the other brings a server of its own.
+EMBEDDED_ONLY = ("redis", "ray-node")
 
 
 @dataclass
@@ -73,6 +88,8 @@ class Target:
     cluster: Any = None
     """The ``ray.cluster_utils.Cluster`` of the ray-node kind."""
     worker: Any = None
+    redis_cluster: Any = None
+    """The trial's ``pipeline.queue.local_cluster.LocalCluster`` when its queue is on one."""
 
 
 def wait_for(predicate: Callable[[], bool], timeout_s: float, poll_s: float = 0.05) -> bool:
@@ -200,7 +217,7 @@ def _push_in_flight(t: Target) -> bool:
     url = t.redis_url()
     if not got or url is None:
         return False
-    client = redis.Redis.from_url(url, protocol=2, socket_timeout=2)
+    client = raw_client(url, socket_timeout=2)
     try:
         events = client.xrange(f"{t.prefix}:events")
     finally:
@@ -255,6 +272,99 @@ def remove_node(t: Target) -> Injection:
                                      note=f"after step {k} + {delay:.2f}s; a new node 3 s later"))
 
 
+def requests_unanswered(proc: psutil.Process, ports: set[int]) -> list[int]:
+    """The ports among ``ports`` (servers on 127.0.0.1) to which ``proc`` sent a request the server has not read:
+    the server's end of one of ``proc``'s connections holds bytes in its receive queue. A stopped server reads
+    nothing, so that is a request waiting on it. Read from ``/proc/net/tcp``, which lists both ends of every local
+    connection with their queues; psutil names ``proc``'s own ends."""
+    try:
+        mine = {(c.laddr.port, c.raddr.port) for c in proc.net_connections(kind="tcp4")
+                if c.raddr and c.raddr.port in ports}
+    except psutil.Error:
+        return []
+    waiting: set[int] = set()
+    with open("/proc/net/tcp") as table:
+        next(table)  # the header line
+        for line in table:
+            cols = line.split()
+            local, remote, queues = cols[1], cols[2], cols[4]
+            server, client = int(local.rsplit(":", 1)[1], 16), int(remote.rsplit(":", 1)[1], 16)
+            if int(queues.split(":")[1], 16) > 0 and (client, server) in mine:
+                waiting.add(server)
+    return sorted(waiting)
+
+
+def _payload_primaries(t: Target) -> tuple[Any, list[Any]]:
+    """(the primary of the run's own tag, the other primaries that hold payload shards) of the trial's cluster."""
+    cluster = t.redis_cluster
+    control = cluster.primary_for(f"{t.prefix}:samples")
+    with control.client() as c:
+        raw = c.get(f"{t.prefix}:payload_shards")
+    tags = json.loads(raw)["tags"] if raw else []
+    held = {n.port: n for n in (cluster.primary_for(f"{{{tag}}}") for tag in tags) if n.port != control.port}
+    return control, list(held.values())
+
+
+def _batch_waiting(t: Target, control: Any, batch_groups: int) -> bool:
+    """Whether a whole batch waits in the stream, not yet delivered to the trainer: then rank 0's next drain needs
+    no new put (which a held primary would stop) and its plan goes out at once."""
+    try:
+        with control.client() as c:
+            groups = c.xinfo_groups(f"{t.prefix}:samples")
+    except Exception:  # the run's primary busy or restarting: not now
+        return False
+    lag = next((g.get("lag") for g in groups if g.get("name") in ("trainer", b"trainer")), None)
+    return lag is not None and int(lag) >= batch_groups
+
+
+def _signal_nodes(nodes: list[Any], sig: int) -> None:
+    for node in nodes:
+        if node.proc is not None and node.proc.poll() is None:
+            node.proc.send_signal(sig)
+
+
+def kill_reader_in_fetch(t: Target, tries: int = 3, hold_s: float = 4.0) -> Injection:
+    """SIGKILL data-parallel rank 1 while its fetch waits on a stopped primary (module docstring, ``reader``)."""
+    if t.redis_cluster is None:
+        return Injection(note="the reader kind needs the queue on a Redis Cluster (--redis cluster)")
+    k, delay, reached = _after_random_step(t, 0.5)
+    if not reached:
+        return Injection(note=f"the run ended before step {k}")
+    control, held = _payload_primaries(t)
+    if not held:
+        return Injection(note="no payload shard lies off the run's own primary: nothing to hold a fetch with")
+    ports = {n.port for n in held}
+    batch = int(json.loads(config_path(t.run_dir).read_text())["trainer"]["batch_groups"])
+    for attempt in range(1, tries + 1):
+        reader = find_process(t.run_dir, "trainer", rank=1)
+        if reader is None:
+            return Injection(note="no live trainer rank 1 found")
+        # Held while the trainer waits for data, the primaries would stop the puts it waits for, and no plan (so no
+        # fetch) would come until they are continued.
+        wait_for(lambda: _batch_waiting(t, control, batch) or t.launcher.poll() is not None, 30, 0.05)
+        before = len(rows(t.run_dir))
+        _signal_nodes(held, signal.SIGSTOP)
+        try:
+            blocked = wait_for(lambda r=reader: bool(requests_unanswered(r, ports)) or t.launcher.poll() is not None,
+                               hold_s, 0.02) and t.launcher.poll() is None
+            if blocked or attempt == tries:
+                on = requests_unanswered(reader, ports)
+                inj = _kill(reader, len(rows(t.run_dir)), "trainer rank 1 (reader)",
+                            f"after step {k} + {delay:.2f}s, try {attempt}, {len(held)} primaries held; "
+                            + (f"rank 1 waiting on {sorted(on)}" if on else "rank 1 not waiting on a held primary"))
+                inj.landed = inj.landed and bool(on)
+                try:
+                    reader.wait(5)  # gone before the primaries answer: the fetch it sent never returns to it
+                except psutil.Error:
+                    pass
+                return _in_training(t, inj)
+        finally:
+            _signal_nodes(held, signal.SIGCONT)
+        # Its share of this step lay on the running primary: let the step finish and try the next one.
+        wait_for(lambda b=before: len(rows(t.run_dir)) > b or t.launcher.poll() is not None, 60, 0.05)
+    return Injection(note="unreachable")  # the last try always kills
+
+
 INJECTORS: dict[str, Callable[[Target], Injection]] = {
     "producer": kill_role("producer"),
     "engine": kill_role("engine"),
@@ -268,13 +378,14 @@ INJECTORS: dict[str, Callable[[Target], Injection]] = {
     "trainer-rank": kill_role("trainer", rank=1),
     "trainer-rank0": kill_role("trainer", rank=0),
     "trainer-engine": kill_trainer_and_engine,
+    "reader": kill_reader_in_fetch,
 }
 
 #: The process the supervisor restarts after each kind (its next line in placements.jsonl), if any.
 RESTARTED = {"producer": "producer-0", "engine": "engine-0", "trainer-step": "trainer-0",
              "trainer-checkpoint": "trainer-0", "trainer-push": "trainer-0", "archiver": "archiver",
              "evaluator": "evaluator", "ray-node": "trainer-0", "trainer-rank": "trainer-1",
-             "trainer-rank0": "trainer-0", "trainer-engine": "trainer-0"}
+             "trainer-rank0": "trainer-0", "trainer-engine": "trainer-0", "reader": "trainer-1"}
 
 
 def restarted_at(run_dir: Path, name: str, after: float) -> float | None:

@@ -1,5 +1,5 @@
-"""``sluice bench queue|rollout|sync|pipeline|gpu|faults|faults-merge``: each a ratio against a reference measured in
-the same run."""
+"""``sluice bench queue|data-plane|rollout|sync|pipeline|gpu|faults|faults-merge|cluster-faults``: each a ratio
+against a reference measured in the same run (the fault harnesses count instead)."""
 
 from __future__ import annotations
 
@@ -47,6 +47,22 @@ def cmd_bench_queue(args: argparse.Namespace) -> int:
         print(f"  codec: encode {c['encode']:.1f} us/sample, decode {c['decode']:.1f} us/sample")
 
     show(args, res, human)
+    return 0
+
+
+def cmd_bench_data_plane(args: argparse.Namespace) -> int:
+    from dataclasses import fields
+    from pathlib import Path
+
+    from pipeline.benchmarks.data_plane import DataPlaneParams, run_data_plane_bench, summary_lines
+
+    params = DataPlaneParams(**{f.name: getattr(args, f.name) for f in fields(DataPlaneParams)})
+    res = run_data_plane_bench(params)
+    # The default output is the run benchmarks/README.md quotes: its JSON goes beside the other results.
+    results = Path("benchmarks/results")
+    if params.out == DataPlaneParams.out and results.is_dir():
+        (results / "data-plane.json").write_text(json.dumps(res, indent=1) + "\n")
+    show(args, res, lambda r: print("\n".join(summary_lines(r))))
     return 0
 
 
@@ -118,6 +134,12 @@ def register(sub: Any) -> None:
                    "compact and plain routing against raw redis-py (the --e2e-only flags are ignored without it)")
     add_dataclass_args(p, "pipeline.benchmarks.queue_e2e", "QueueE2EParams")
     p.set_defaults(func=cmd_bench_queue)
+    p = bsub.add_parser("data-plane", help="the data plane's goals in one run: a cluster with data-parallel readers "
+                                           "against one node, rank 0's drain and the evaluator's CPU against the "
+                                           "paths before headers")
+    p.add_argument("--json", action="store_true")
+    add_dataclass_args(p, "pipeline.benchmarks.data_plane", "DataPlaneParams")
+    p.set_defaults(func=cmd_bench_data_plane)
     p = bsub.add_parser("rollout", help="cost of routing capture and encoding as a fraction of rollout time")
     p.add_argument("--json", action="store_true")
     add_dataclass_args(p, "pipeline.benchmarks.rollout", "RolloutBenchParams")
@@ -136,6 +158,11 @@ def register(sub: Any) -> None:
     p.add_argument("--json", action="store_true")
     add_dataclass_args(p, "pipeline.benchmarks.export_bytes", "ExportBytesParams")
     p.set_defaults(func=_summarized("pipeline.benchmarks.export_bytes", "ExportBytesParams", "run_export_bytes"))
+    p = bsub.add_parser("archive", help="the archive's lag behind a producer with one archiver process and with two "
+                                        "(queue.archive.processes), in one run")
+    p.add_argument("--json", action="store_true")
+    add_dataclass_args(p, "pipeline.benchmarks.archive", "ArchiveBenchParams")
+    p.set_defaults(func=_summarized("pipeline.benchmarks.archive", "ArchiveBenchParams", "run_archive_bench"))
     p = bsub.add_parser("pipeline", help="samples trained per second, async vs sync on one recipe, against the "
                                          "perfect-overlap bound")
     p.add_argument("--json", action="store_true")
@@ -156,3 +183,9 @@ def register(sub: Any) -> None:
     p.add_argument("runs", nargs="+", help="--out folders of `sluice bench faults` runs (or their faults.json)")
     p.add_argument("--into", default="benchmarks/results/faults.json", help="the record to update")
     p.set_defaults(func=lambda a: __import__("pipeline.benchmarks.fault_merge", fromlist=["cmd"]).cmd(a))
+    p = bsub.add_parser("cluster-faults", help="one Redis Cluster fault per trial (the trimmer between its moves, a "
+                                               "primary killed, a failover) under the real queue, drain and ledger; "
+                                               "check nothing lost, trained twice or left behind")
+    p.add_argument("--json", action="store_true")
+    add_dataclass_args(p, "pipeline.benchmarks.cluster_faults", "ClusterFaultsParams")
+    p.set_defaults(func=lambda a: __import__("pipeline.benchmarks.cluster_faults", fromlist=["cmd"]).cmd(a))

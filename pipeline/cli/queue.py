@@ -17,6 +17,7 @@ def cmd_queue_stats(args: argparse.Namespace) -> int:
         st = stats(handle.queue)
     finally:
         handle.close(stop_server=True)
+    st["archive"] = archive_summary(st["groups"])
 
     def human(st: dict[str, Any]) -> None:
         from rich.console import Console
@@ -29,9 +30,27 @@ def cmd_queue_stats(args: argparse.Namespace) -> int:
         for g in st["groups"]:
             t.add_row(g["name"], str(g["consumers"]), str(g["pending"]), str(g["lag"]), g["last_delivered_id"])
         console.print(t)
+        a = st["archive"]
+        if a is not None and a["processes"] > 1:
+            console.print(f"archive: {a['processes']} archivers ({', '.join(a['groups'])}); pending {a['pending']}, "
+                          f"lag of the slowest {a['lag']}")
 
     show(args, st, human)
     return 0
+
+
+def archive_summary(groups: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The archive as a whole from its archivers' groups (``archive``, or ``archive-i-of-M`` when split): its
+    pending entries are theirs summed; its lag, the entries not yet delivered to the slowest. None without one."""
+    from pipeline.queue.archive_parts import group_part
+
+    mine = [(group_part(g["name"]), g) for g in groups]
+    mine = [(p, g) for p, g in mine if p is not None]
+    if not mine:
+        return None
+    lags = [g["lag"] for _, g in mine if g["lag"] is not None]
+    return {"processes": max(p.processes for p, _ in mine), "groups": [g["name"] for _, g in mine],
+            "pending": sum(g["pending"] for _, g in mine), "lag": max(lags) if lags else None}
 
 
 def cmd_queue_tail(args: argparse.Namespace) -> int:
@@ -90,6 +109,11 @@ def cmd_queue_audit(args: argparse.Namespace) -> int:
               f"{r['duplicate_sample_ids']}")
         for g, c in r["groups"].items():
             print(f"  {g}: " + ", ".join(f"{k} {v}" for k, v in sorted(c.items())))
+        from pipeline.queue.archive_parts import group_part
+
+        if any((part := group_part(g)) is not None and not part.alone for g in r["groups"]):
+            print("  (the archive is split: each archive-i-of-M group acks every entry, archiving only those it "
+                  "owns; an entry is archived once all of them acked it)")
         t = r.get("trainer_ledger")
         if t:
             print(f"  trainer ledger (committed step {t['committed_step']}): trained {t['trained']}, stale "

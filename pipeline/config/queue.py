@@ -20,6 +20,10 @@ class ArchiveConfig(Strict):
     """Samples per Parquet segment."""
     flush_interval_s: float = Field(30.0, gt=0)
     """Write a partial segment after this many seconds without filling one."""
+    processes: int = Field(1, ge=1, le=64)
+    """Archiver processes: each reads every header in a consumer group of its own (``archive-i-of-M``; ``archive``
+    when 1) and fetches and writes only the entries it owns (crc32 of the group id mod M). Fixed for a run's life: a
+    run continued with another value is refused (docs/queue.md, "Archive")."""
 
 
 class QueueConfig(Strict):

@@ -35,6 +35,7 @@ from pipeline.launch.supervisor import Supervisor
 from pipeline.models.spec import engine_patch_args
 from pipeline.observe.live import LiveView
 from pipeline.observe.report import format_curve, format_heldout, learning_curve
+from pipeline.queue.archive_parts import archive_parts, check_archive_layout
 from pipeline.queue.connection import check_fsync_always, connect, has_secret, redact_url
 from pipeline.queue.credentials import ENV_URL, remove_secret_url, write_secret_url
 from pipeline.queue.redis_server import EmbeddedRedis
@@ -42,6 +43,7 @@ from pipeline.queue.redis_streams import SampleQueue
 from pipeline.queue.rundir import RunHandle, open_run
 from pipeline.rundir import (
     RUN_FILE,
+    archive_dir,
     base_model_folder,
     config_path,
     engines_path,
@@ -86,10 +88,28 @@ def prepare_run(cfg: SluiceConfig, handle: RunHandle | None = None) -> tuple[Run
     plugins_path(run_dir).write_text(json.dumps(cfg.plugin_records(), indent=1) + "\n")
     if has_secret(handle.url):
         write_secret_url(run_dir, handle.url)
-    for name in ("trainer", *(["archive"] if cfg.queue.archive.enabled else []),
-                 *([cfg.eval.group] if cfg.eval.enabled else [])):
+    for name in ("trainer", *archive_groups(cfg, handle.queue), *([cfg.eval.group] if cfg.eval.enabled else [])):
         handle.queue.create_group(name, "0")
     return handle, model_folder(cfg)
+
+
+def archive_groups(cfg: SluiceConfig, queue: SampleQueue) -> list[str]:
+    """The consumer groups of the run's archivers, once the run's archive is known to keep its split: checked before
+    any group is created, since the groups of another split would hold the stream's trim back for good."""
+    if not cfg.queue.archive.enabled:
+        return []
+    check_archive_layout(cfg.queue.archive.processes, queue.group_names(), archive_dir(Path(cfg.run.run_dir)))
+    return [p.group for p in archive_parts(cfg.queue.archive.processes)]
+
+
+def archiver_specs(cfg: SluiceConfig) -> list[ProcessSpec]:
+    """One process per archiver, each supervised and restarted on its own; a lone archiver keeps the name and
+    command line it always had."""
+    if not cfg.queue.archive.enabled:
+        return []
+    run_dir = Path(cfg.run.run_dir).resolve()
+    return [_spec(cfg, "archiver", p.process_name, ["archiver", str(run_dir), *([] if p.alone else [str(p.index)])])
+            for p in archive_parts(cfg.queue.archive.processes)]
 
 
 def _start_embedded_redis(cfg: SluiceConfig) -> EmbeddedRedis | None:
@@ -152,7 +172,8 @@ def _cpus_needed(cfg: SluiceConfig) -> float:
     """What the run's processes reserve in all: the CPUs a private instance offers (the OS shares the cores)."""
     r = cfg.ray
     total = (cfg.engine.count * r.engine.num_cpus * _starts_engines(cfg) + cfg.producers * r.producer.num_cpus
-             + cfg.trainer.world_size * r.trainer.num_cpus + r.evaluator.num_cpus + r.archiver.num_cpus
+             + cfg.trainer.world_size * r.trainer.num_cpus + r.evaluator.num_cpus
+             + cfg.queue.archive.processes * r.archiver.num_cpus
              + r.trainer.num_cpus)  # the warm start, whose exit overlaps the engines' start
     return float(max(math.ceil(total), os.cpu_count() or 1))
 
@@ -454,8 +475,7 @@ def _start_children(cfg: SluiceConfig, sup: Supervisor, handle: RunHandle, model
     others = []
     if cfg.eval.enabled or (cfg.eval.heldout.enabled and cfg.eval.heldout.live):
         others.append(_spec(cfg, "evaluator", "evaluator", ["evaluator", str(run_dir)]))
-    if cfg.queue.archive.enabled:
-        others.append(_spec(cfg, "archiver", "archiver", ["archiver", str(run_dir)]))
+    others += archiver_specs(cfg)
     others_up = sup.launch(others) if others else None  # they need Redis only
     urls = engines_up()
     # Engines sluice did not start may hold another run's weights or SGLang's "default" label;

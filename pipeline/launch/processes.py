@@ -131,18 +131,25 @@ def bind_rank0_store() -> None:
     partial.rename(port_file)
 
 
-def archiver_main(run_dir: Path) -> None:
-    """The archive consumer: the run's stream into Parquet segments, until SIGTERM."""
+def archiver_main(run_dir: Path, index: str = "0") -> None:
+    """Archiver ``index`` of ``queue.archive.processes``: its share of the run's stream into Parquet segments, until
+    SIGTERM."""
     from pipeline.queue.archive import Archiver
+    from pipeline.queue.archive_parts import ArchivePart
     from pipeline.queue.rundir import open_run
 
     cfg = load_run_config(run_dir, resolve_url)
+    try:
+        part = ArchivePart(int(index), cfg.queue.archive.processes)
+    except ValueError:
+        raise ConfigError(f"archiver index {index!r} is not an integer; the launcher passes 0 .. "
+                          "queue.archive.processes - 1") from None
     handle = open_run(run_dir=run_dir, redis_url=cfg.queue.redis_url, start_server=False)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
-        Archiver(handle.queue, archive_dir(run_dir), segment_samples=cfg.queue.archive.segment_samples,
+        Archiver(handle.queue, archive_dir(run_dir), part=part, segment_samples=cfg.queue.archive.segment_samples,
                  flush_interval_s=cfg.queue.archive.flush_interval_s).run(stop=stop)
     finally:
         handle.close()

@@ -5,11 +5,16 @@ fsynced; only then are its entries acked in the ``archive`` group. Each segment 
 policy-version range in its Parquet metadata, so ``index.json`` is only a cache that can always be rebuilt from the
 segments. A crash between rename and ack re-delivers entries that are already archived; the archiver recognises them
 by id (every id up to the newest segment's last id is archived) and acks them without writing them twice.
+
+With ``queue.archive.processes`` = M > 1, archiver i of M reads group ``archive-i-of-M``, archives the entries it owns
+(``archive_parts``) and acks the others unfetched; its segments' names and its restart rule are its own, and readers
+merge every archiver's segments back into stream order.
 """
 
 from __future__ import annotations
 
 import fcntl
+import heapq
 import json
 import logging
 import os
@@ -24,8 +29,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.errors import QueueError
+from pipeline.queue.archive_parts import ALONE, ArchivePart, archive_parts, check_archive_layout
 from pipeline.queue.arrow import SAMPLE_SCHEMA, parquet_write_options, samples_to_table, table_to_samples
-from pipeline.queue.base import QueueEntry
+from pipeline.queue.base import HeaderEntry, QueueEntry
 from pipeline.queue.redis_streams import SampleQueue
 from pipeline.queue.sample import Sample
 
@@ -55,9 +61,24 @@ class SegmentInfo:
     samples: int
     version_min: int
     version_max: int
+    part: int = 0
+    """Which archiver wrote it (its index of ``parts``)."""
+    parts: int = 1
+    """``queue.archive.processes`` when it was written."""
+
+    @property
+    def writer(self) -> ArchivePart:
+        return ArchivePart(self.part, self.parts)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Its fields; a lone archiver's segment leaves out the split, so that it reads as before the split."""
+        d = asdict(self)
+        if self.parts == 1:
+            del d["part"], d["parts"]
+        return d
 
     def to_metadata(self) -> dict[bytes, bytes]:
-        return {b"sluice.segment": json.dumps(asdict(self)).encode()}
+        return {b"sluice.segment": json.dumps(self.as_dict()).encode()}
 
     @classmethod
     def from_parquet(cls, path: Path) -> SegmentInfo:
@@ -77,12 +98,14 @@ def _fsync_dir(folder: Path) -> None:
 
 
 class ArchiveWriter:
-    """Writes queue entries as durable Parquet segments in one folder and keeps its index."""
+    """Writes queue entries as durable Parquet segments in one folder and keeps its index; ``part`` is the archiver
+    of a split archive it writes for (its segments' names carry it)."""
 
-    def __init__(self, folder: str | Path, compression: str = "zstd") -> None:
+    def __init__(self, folder: str | Path, compression: str = "zstd", part: ArchivePart = ALONE) -> None:
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.compression = compression
+        self.part = part
 
     def write_segment(self, entries: Sequence[QueueEntry]) -> SegmentInfo:
         if not entries:
@@ -91,13 +114,15 @@ class ArchiveWriter:
         stream_ids = [e.id for e in entries for _ in e.samples]
         versions = [v for s in samples for v in (s.version_min, s.version_max) if v is not None]
         info = SegmentInfo(
-            name=f"seg-{parse_id(entries[0].id)[0]:015d}-{parse_id(entries[0].id)[1]:06d}.parquet",
+            name=f"seg-{parse_id(entries[0].id)[0]:015d}-{parse_id(entries[0].id)[1]:06d}{self.part.suffix}.parquet",
             first_id=entries[0].id,
             last_id=entries[-1].id,
             entries=len(entries),
             samples=len(samples),
             version_min=min(versions) if versions else -1,
             version_max=max(versions) if versions else -1,
+            part=self.part.index,
+            parts=self.part.processes,
         )
         table = samples_to_table(samples, stream_ids)
         table = table.replace_schema_metadata({**(table.schema.metadata or {}), **info.to_metadata()})
@@ -121,31 +146,48 @@ class ArchiveWriter:
         return info
 
     def _update_index(self, info: SegmentInfo) -> None:
-        segments = [s for s in load_index(self.folder) if s.name != info.name] + [info]
-        segments.sort(key=lambda s: parse_id(s.first_id))
-        tmp = self.folder / f".{INDEX_FILE}.tmp"
-        tmp.write_text(json.dumps([asdict(s) for s in segments], indent=1))
-        os.replace(tmp, self.folder / INDEX_FILE)
+        # The archivers of a split archive share the folder's index: each read-modify-write holds an flock, so that
+        # none drops another's segment (the index would still be rebuilt, but from every segment's footer).
+        fd = os.open(self.folder / ".index.lock", os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            segments = [s for s in load_index(self.folder) if s.name != info.name] + [info]
+            segments.sort(key=lambda s: parse_id(s.first_id))
+            tmp = self.folder / f".{INDEX_FILE}.tmp"
+            tmp.write_text(json.dumps([s.as_dict() for s in segments], indent=1))
+            os.replace(tmp, self.folder / INDEX_FILE)
+        finally:
+            os.close(fd)
 
 
 def load_index(folder: str | Path) -> list[SegmentInfo]:
-    """The segments of an archive in stream order; rebuilt from the Parquet files when the index is stale."""
+    """The segments of an archive (of every archiver) by first id; the index is only a cache: a segment it lacks is
+    read from its own footer, one it names that is gone is dropped."""
     folder = Path(folder)
     files = {p.name for p in folder.glob("seg-*.parquet")}
     index_path = folder / INDEX_FILE
-    cached: list[SegmentInfo] = []
+    cached: dict[str, SegmentInfo] = {}
     if index_path.exists():
         try:
-            cached = [SegmentInfo(**d) for d in json.loads(index_path.read_text())]
+            cached = {s.name: s for s in (SegmentInfo(**d) for d in json.loads(index_path.read_text()))}
         except (ValueError, TypeError):
-            cached = []
-    if {s.name for s in cached} != files:
-        cached = [SegmentInfo.from_parquet(folder / name) for name in files]
-    return sorted(cached, key=lambda s: parse_id(s.first_id))
+            cached = {}
+    segments = [cached[name] if name in cached else SegmentInfo.from_parquet(folder / name) for name in files]
+    return sorted(segments, key=lambda s: parse_id(s.first_id))
+
+
+def _id_key(stream_id: str | None) -> StreamId:
+    """A row's place in stream order (a row without an id, from a hand-written table, sorts first)."""
+    return parse_id(stream_id) if stream_id else (-1, -1)
 
 
 class ArchiveReader:
-    """Reads an archive folder back as Samples, in stream order, with optional id and version filters."""
+    """Reads an archive folder back as Samples, in stream order, with optional id and version filters.
+
+    A split archive (``queue.archive.processes`` > 1) holds each archiver's segments side by side; each archiver's
+    are in stream order and disjoint, so a k-way merge by stream id gives the sequence one archiver would have
+    written, holding one segment per archiver in memory.
+    """
 
     def __init__(self, folder: str | Path) -> None:
         self.folder = Path(folder)
@@ -153,30 +195,57 @@ class ArchiveReader:
             raise QueueError(f"archive folder {self.folder} does not exist")
         self.segments = load_index(self.folder)
 
+    def writers(self) -> list[list[SegmentInfo]]:
+        """The segments of each archiver that wrote into the folder, each list in stream order."""
+        out: dict[ArchivePart, list[SegmentInfo]] = {}
+        for seg in self.segments:
+            out.setdefault(seg.writer, []).append(seg)
+        return [out[k] for k in sorted(out, key=lambda p: (p.processes, p.index))]
+
     def table(self) -> pa.Table:
-        """All segments as one Arrow table (SAMPLE_SCHEMA; uint16 routing ids if any segment has them).
+        """All segments as one Arrow table in stream order (SAMPLE_SCHEMA; uint16 routing ids if any segment has them).
 
         Segments of schema 1 and 2 in one folder (an archiver that was upgraded mid-run) concatenate with the other
         schema's routing columns null; read such an archive with ``entries`` instead.
         """
         tables = [pq.read_table(self.folder / s.name) for s in self.segments]
-        return pa.concat_tables(tables, promote_options="permissive") if tables else SAMPLE_SCHEMA.empty_table()
+        if not tables:
+            return SAMPLE_SCHEMA.empty_table()
+        table = pa.concat_tables(tables, promote_options="permissive")
+        if len(self.writers()) > 1:
+            # Segments are in first-id order, but two archivers' ranges interleave: sort the rows (stably, so a
+            # group's samples keep their order).
+            ids = table.column("stream_id").to_pylist()
+            table = table.take(pa.array(sorted(range(len(ids)), key=lambda i: _id_key(ids[i]))))
+        return table
 
     def entries(
         self,
         id_range: tuple[str | None, str | None] | None = None,
         version_range: tuple[int | None, int | None] | None = None,
     ) -> Iterator[tuple[str, Sample]]:
-        """(stream id, sample) pairs, in stream order.
+        """(stream id, sample) pairs, in stream order, merged across the archivers that wrote the folder.
 
         ``id_range`` is inclusive on both ends. ``version_range`` keeps samples whose every token was produced by a
         policy version inside it (version_min >= lo and version_max <= hi).
         """
+        streams = [self._writer_entries(segs, id_range, version_range) for segs in self.writers()]
+        if len(streams) == 1:
+            yield from streams[0]
+        else:
+            yield from heapq.merge(*streams, key=lambda row: _id_key(row[0]))
+
+    def _writer_entries(
+        self,
+        segments: list[SegmentInfo],
+        id_range: tuple[str | None, str | None] | None,
+        version_range: tuple[int | None, int | None] | None,
+    ) -> Iterator[tuple[str, Sample]]:
         lo_id = parse_id(id_range[0]) if id_range and id_range[0] else None
         hi_id = parse_id(id_range[1]) if id_range and id_range[1] else None
         lo_v = version_range[0] if version_range else None
         hi_v = version_range[1] if version_range else None
-        for seg in self.segments:
+        for seg in segments:
             if (lo_id and parse_id(seg.last_id) < lo_id) or (hi_id and parse_id(seg.first_id) > hi_id):
                 continue
             if (lo_v is not None and seg.version_max < lo_v) or (hi_v is not None and seg.version_min > hi_v):
@@ -198,10 +267,11 @@ class ArchiveReader:
 
 
 class Archiver:
-    """The ``archive`` consumer group's worker: reads entries, writes segments, acks after each durable rename.
+    """One archiver's worker: reads its group's headers, fetches and archives the entries it owns, writes segments,
+    and acks after each durable rename; entries another archiver owns it acks at once, their payloads unfetched.
 
-    One archiver per folder (an flock on ``.lock`` enforces it), since recognising already-archived entries after a
-    crash relies on one writer seeing the group's entries in stream order.
+    One archiver per folder and part (an flock on ``part.lock_name`` enforces it), since recognising already-archived
+    entries after a crash relies on one writer seeing its entries in stream order.
     """
 
     def __init__(
@@ -209,16 +279,17 @@ class Archiver:
         queue: SampleQueue,
         folder: str | Path,
         *,
-        group: str = "archive",
+        part: ArchivePart = ALONE,
         consumer: str = "archiver",
         segment_samples: int = 4096,
         flush_interval_s: float = 30.0,
         block_ms: int = 1000,
     ) -> None:
         self.queue = queue
-        self.writer = ArchiveWriter(folder)
+        self.part = part
+        self.writer = ArchiveWriter(folder, part=part)
         self.folder = self.writer.folder
-        self.group, self.consumer = group, consumer
+        self.group, self.consumer = part.group, consumer
         self.segment_samples = segment_samples
         self.flush_interval_s = flush_interval_s
         self.block_ms = block_ms
@@ -228,12 +299,14 @@ class Archiver:
         self.segments_written = 0
 
     def _acquire_lock(self) -> None:
-        fd = os.open(self.folder / ".lock", os.O_CREAT | os.O_RDWR, 0o644)
+        fd = os.open(self.folder / self.part.lock_name, os.O_CREAT | os.O_RDWR, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise QueueError(f"another archiver holds {self.folder}; run one archiver per archive folder") from None
+            who = "" if self.part.alone else f" as archiver {self.part.index} of {self.part.processes}"
+            raise QueueError(f"another archiver holds {self.folder}{who}; run one archiver per archive folder and "
+                             "part") from None
         self._lock_fd = fd
 
     def close(self) -> None:
@@ -241,22 +314,44 @@ class Archiver:
             os.close(self._lock_fd)
             self._lock_fd = None
 
+    def archived_upto(self) -> StreamId:
+        """The last id of this archiver's newest segment: every entry it owns up to there is archived. Only its own
+        segments count: another archiver's newer segment says nothing of this one's entries."""
+        own = [s for s in load_index(self.folder) if s.writer == self.part]
+        return parse_id(own[-1].last_id) if own else (-1, -1)
+
     def recover(self) -> int:
-        """Take back this consumer's pending entries (and dead archivers'), acking those already archived."""
-        self.queue.create_group(self.group, "0")
-        segments = load_index(self.folder)
-        archived_upto = parse_id(segments[-1].last_id) if segments else (-1, -1)
-        pending = self.queue.read_pending(self.group, self.consumer)
-        pending += self.queue.claim_stale(self.group, self.consumer, min_idle_ms=60_000)
-        done = [e.id for e in pending if parse_id(e.id) <= archived_upto]
+        """Take back this consumer's pending entries (and dead archivers'), acking those already archived and those
+        another archiver owns; returns how many were acked."""
+        check_archive_layout(self.part.processes, self.queue.group_names(), self.folder)
+        # Every archiver's group, not only its own: a trim between two archivers' starts must not drop entries that
+        # the later one would have owned.
+        for part in archive_parts(self.part.processes):
+            self.queue.create_group(part.group, "0")
+        upto = self.archived_upto()
+        pending = self.queue.read_pending_headers(self.group, self.consumer)
+        pending += self.queue.claim_stale_headers(self.group, self.consumer, min_idle_ms=60_000)
+        todo = sorted((h for h in pending if self.part.owns(h.group_id) and parse_id(h.id) > upto),
+                      key=lambda h: parse_id(h.id))
+        todo_ids = {h.id for h in todo}
+        done = [h.id for h in pending if h.id not in todo_ids]
         self.queue.ack(self.group, done)
-        todo = sorted((e for e in pending if parse_id(e.id) > archived_upto), key=lambda e: parse_id(e.id))
-        self._buffer.extend(todo)
+        self._buffer.extend(self.queue.materialize(self.group, self.consumer, todo))
         return len(done)
 
+    def _owned(self, headers: list[HeaderEntry]) -> list[HeaderEntry]:
+        """The entries this archiver archives; the others it acks here, without fetching their payloads."""
+        if self.part.alone:
+            return headers
+        owned = [self.part.owns(h.group_id) for h in headers]
+        self.queue.ack(self.group, [h.id for h, mine in zip(headers, owned) if not mine])
+        return [h for h, mine in zip(headers, owned) if mine]
+
     def step(self) -> int:
-        """Read once (blocking up to block_ms), write every full segment, and a partial one if it is old."""
-        entries = self.queue.read(self.group, self.consumer, count=256, block_ms=self.block_ms)
+        """Read once (blocking up to block_ms), write every full segment, and a partial one if it is old; returns
+        how many headers were read (its own entries and others')."""
+        headers = self.queue.read_headers(self.group, self.consumer, count=256, block_ms=self.block_ms)
+        entries = self.queue.materialize(self.group, self.consumer, self._owned(headers))
         if entries and not self._buffer:
             self._buffer_since = time.monotonic()
         self._buffer.extend(entries)
@@ -264,7 +359,7 @@ class Archiver:
             pass
         if self._buffer and time.monotonic() - self._buffer_since >= self.flush_interval_s:
             self.flush()
-        return len(entries)
+        return len(headers)
 
     def _take_full_segment(self) -> bool:
         n = 0

@@ -588,7 +588,7 @@ class SampleQueue:
                 except SampleDecodeError as err:
                     lost.append((e, str(err), data))
             if lost:
-                self._lost_payloads(group, consumer, lost)
+                self.lose_payloads(group, consumer, lost)
         return out
 
     def _whole(self, e: HeaderEntry, data: bytes | None) -> QueueEntry:
@@ -681,7 +681,7 @@ class SampleQueue:
         return HeaderEntry(id=entry_id, headers=headers, version_min=vmin, version_max=vmax, payload_key=pkey,
                            payload_size=size, delivery=delivery, fields=fields, samples=samples)
 
-    def _lost_payloads(self, group: str, consumer: str, lost: list[tuple[HeaderEntry, str, bytes | None]]) -> None:
+    def lose_payloads(self, group: str, consumer: str, lost: list[tuple[HeaderEntry, str, bytes | None]]) -> None:
         """Hand the prompts of entries whose payloads cannot be had back, then dead-letter the entries. In this
         order a crash in between leaves the entries pending, to be read, handed back (nothing: the records are
         gone) and dead-lettered again."""

@@ -75,6 +75,7 @@ def open_run(
 
     folder = Path(run_dir)
     run_file = folder / RUN_FILE
+    queue: SampleQueue | None = None
     if run_file.exists():
         meta = json.loads(run_file.read_text())
         if run is not None and run != meta["run"]:
@@ -85,6 +86,9 @@ def open_run(
             redis_url = resolve_url(folder, stored_url)
     elif create:
         run = check_run_name(run or folder.name)
+        if redis_url is not None:
+            queue = _queue(redis_url, run, capacity, routing_codec)
+            _refuse_a_foreign_run(queue, folder)
         write_run_file(folder, run, redis_url)
     else:
         raise ConfigError(f"{folder} is not a sluice run folder (no {RUN_FILE}); check the path, or start a run there")
@@ -100,7 +104,22 @@ def open_run(
         else:
             server.attach()
         redis_url = server.url
-    return RunHandle(run, folder, redis_url, _queue(redis_url, run, capacity, routing_codec), server)
+    return RunHandle(run, folder, redis_url, queue or _queue(redis_url, run, capacity, routing_codec), server)
+
+
+def _refuse_a_foreign_run(queue: SampleQueue, folder: Path) -> None:
+    """A new run folder on an external Redis that already holds a run of the same name would take that run's queue,
+    version counter and pacing for its own: it would train another run's samples and push weights labelled with its
+    versions. Refused before anything starts."""
+    k = queue.keys
+    # An empty stream is no run: a side consumer (an evaluator, a harness's tap) may attach its group before the run
+    # starts, which creates the stream.
+    if not queue.redis.exists(k.policy_version, k.produced) and not queue.redis.xlen(k.samples):
+        return
+    raise ConfigError(
+        f"the Redis at queue.redis_url already holds a run named {queue.run!r} (policy version "
+        f"{queue.policy_version()}, {queue.redis.xlen(k.samples)} stream entries) that the new run folder {folder} "
+        "did not start: resume it from its own run folder, or give this run another run.name")
 
 
 def _queue(url: str, run: str, capacity: int, routing_codec: RoutingCodec) -> SampleQueue:

@@ -85,8 +85,9 @@ def start_ranks(script: str, args: list[str], world: int = 2) -> list[subprocess
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    return [subprocess.Popen([sys.executable, script, str(rank), *args], env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT) for rank in range(world)]
+    # faulthandler: a rank that dies of a signal still prints where it was.
+    return [subprocess.Popen([sys.executable, "-X", "faulthandler", script, str(rank), *args], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in range(world)]
 
 
 def finish_ranks(procs: list[subprocess.Popen[bytes]], timeout_s: float = 240) -> None:
@@ -97,5 +98,8 @@ def finish_ranks(procs: list[subprocess.Popen[bytes]], timeout_s: float = 240) -
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    for rank, (p, text) in enumerate(zip(procs, outputs, strict=True)):
-        assert p.returncode == 0, f"rank {rank} failed:\n{text[-4000:]}"
+    failed = [f"rank {rank} failed (exit {p.returncode}):\n{text[-4000:]}"
+              for rank, (p, text) in enumerate(zip(procs, outputs, strict=True)) if p.returncode != 0]
+    # A rank killed by a signal is the cause; the others' connection errors are its echo.
+    failed.sort(key=lambda t: "exit -" not in t)
+    assert not failed, "\n".join(failed)

@@ -19,12 +19,28 @@ import pyarrow.parquet as pq
 import pytest
 import redis
 
-from pipeline.benchmarks.fault_check import TAP_GROUP, StreamTap, check, collect
+from pipeline.benchmarks.fault_check import (
+    TAP_GROUP,
+    RunRecord,
+    StreamTap,
+    archive_owner,
+    archive_problems,
+    check,
+    collect,
+    raw_client,
+)
 from pipeline.benchmarks.faults import FaultsBenchParams, run_faults_bench, table_lines
 from pipeline.consumers.trainer.ledger import Ledger, LedgerLine
 from pipeline.queue.archive import ArchiveWriter
+from pipeline.queue.archive_parts import owner_of
+from pipeline.queue.connection import connect
+from pipeline.queue.keys import payload_prefix
 from pipeline.queue.redis_streams import GONE_REASON, SampleQueue
+from tests.helpers import redis_cluster as bed
+from tests.helpers.redis_cluster import LocalCluster
 from tests.helpers.samples import make_group
+
+redis_cluster = bed.redis_cluster
 
 
 def _checkpoint(run_dir: Path, step: int, version: int) -> None:
@@ -70,8 +86,11 @@ def test_the_checker_reports_loss_duplicates_versions_and_archive_holes(
     assert queue.trim() == 3  # what every group (the tap's too) acked leaves the stream; the tap recorded it
 
     clean = check(collect(client, prefix, run_dir, tap, archive_on=True))
-    assert clean.ok and clean.samples == 10 and clean.trained == 4 and clean.stale == 2, clean
+    assert clean.samples == 10 and clean.trained == 4 and clean.stale == 2, clean
     assert clean.lost == 0 and clean.duplicated == 0 and clean.committed_step == 2
+    assert not (clean.version_problems or clean.archive_problems or clean.phantom), clean
+    # Mid-run, the trainer holds its uncommitted entry: a finished run must not, so the check names it.
+    assert clean.leftover_problems == ["entries delivered and never acked: {'trainer': 1}"] and not clean.ok
 
     # A trainer that acks its uncommitted entry: its two samples are in no fate and no longer pending.
     queue.ack("trainer", [read[3].id])
@@ -109,6 +128,80 @@ def test_the_checker_reports_loss_duplicates_versions_and_archive_holes(
     client.close()
 
 
+def test_on_a_cluster_the_checker_finds_what_a_run_left_on_every_primary(
+        redis_cluster: LocalCluster, tmp_path: Path) -> None:
+    """After a run, every payload key must belong to an entry still in the stream, the trash must be empty and no
+    group may hold an entry unacked. On a cluster the payloads are spread over every primary, so a check that looked
+    at one node would miss two thirds of them: a stray key planted on each primary is found on each."""
+    rng = np.random.default_rng(5)
+    run = "faults-check"
+    queue = SampleQueue(connect(redis_cluster.url), run, capacity=1000)
+    client = raw_client(redis_cluster.url)
+    prefix = queue.keys.prefix
+    tap = StreamTap(lambda: redis_cluster.url, queue.keys.samples)
+    tap.attach(client)
+    queue.put_many([make_group(rng, 2, version=0) for _ in range(12)])
+    queue.create_group("trainer")
+    tap.drain(client)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+
+    def leftovers() -> list[str]:
+        return check(collect(client, prefix, run_dir, tap, archive_on=False)).leftover_problems
+
+    record = collect(client, prefix, run_dir, tap, archive_on=False)
+    assert len(record.payload_keys) == 3 and all(record.payload_keys.values()), record.payload_keys
+    assert leftovers() == []  # every payload belongs to an entry still in the stream (not yet trained)
+
+    # A stray payload key under a shard tag of each primary: three keys nothing names, one on each primary.
+    tags = queue.shard_tags()
+    by_primary = {redis_cluster.primary_for("{" + tag + "}").name: tag for tag in tags}
+    assert len(by_primary) == 3
+    for tag in by_primary.values():
+        client.set(payload_prefix(tag) + "999999", b"stray")
+    v = check(collect(client, prefix, run_dir, tap, archive_on=False))
+    assert v.payload_keys_left == 3 and not v.ok, v
+    assert all(node in v.leftover_problems[0] for node in by_primary), v.leftover_problems
+    for tag in by_primary.values():
+        client.delete(payload_prefix(tag) + "999999")
+
+    # An entry read and never acked, a key left in the trash, and an entry whose payload is gone.
+    read = queue.read_headers("trainer", "trainer-0", count=1)
+    client.sadd(queue.keys.payload_trash, "sluice:{faults-check/0}:payload:1")
+    client.delete(read[0].payload_key)
+    assert leftovers() == ["1 payload keys left in the trash set", "entries delivered and never acked: {'trainer': 1}",
+                           f"1 stream entries whose payload is gone, e.g. {[read[0].id]}"]
+    for key in client.scan_iter(match=f"sluice:{{{run}*"):  # every key of this run, on every primary
+        client.delete(key)
+    client.close()
+    queue.redis.close()
+
+
+def test_with_several_archivers_an_entry_waits_only_for_the_archiver_that_owns_it() -> None:
+    """With queue.archive.processes = M the archive's groups are archive-i-of-M, and archiver i archives the prompt
+    groups whose crc32 mod M is i. An entry missing from the archive is still to come only while its owner has not
+    acked it: the other archivers ack it at once, without archiving it."""
+    gids = [f"g{i}" for i in range(8)]
+    owner = {g: f"archive-{owner_of(g, 2)}-of-2" for g in gids}
+    assert {archive_owner(g, ["archive-0-of-2", "archive-1-of-2"]) for g in gids} == set(owner.values())
+    assert all(archive_owner(g, ["archive-0-of-2", "archive-1-of-2"]) == owner[g] for g in gids)
+    assert archive_owner("g0", ["archive"]) == "archive"
+    ids = [f"{i + 1}-0" for i in range(len(gids))]
+
+    def record(pending: dict[str, set[str]]) -> RunRecord:
+        return RunRecord(
+            tapped={e: [f"s{e}"] for e in ids}, stream_ids=set(ids), trainer_pending=set(), trainer_last=ids[-1],
+            deadletter_ids=set(), ledger=[], counter=0, pushes=[], event_checkpoints=[], newest_checkpoint=None,
+            archive_rows=[(e, f"s{e}") for e in ids[1:]],  # the first entry is not archived
+            archive_pending=pending, archive_last={"archive-0-of-2": ids[-1], "archive-1-of-2": ids[-1]},
+            group_ids=dict(zip(ids, gids)))
+
+    mine, other = owner[gids[0]], next(g for g in ("archive-0-of-2", "archive-1-of-2") if g != owner[gids[0]])
+    assert archive_problems(record({mine: {ids[0]}, other: set()})) == []  # pending for its owner: still to come
+    assert archive_problems(record({mine: set(), other: {ids[0]}})) == [
+        f"1 stream entries missing from the archive, e.g. {[ids[0]]}"]  # its owner acked it: lost to the archive
+
+
 def test_the_tap_records_a_delivery_whose_answer_was_lost(queue: SampleQueue, redis_url: str) -> None:
     """An XREADGROUP that Redis applied but whose answer never arrived leaves the entries pending for the tap; its
     next pass reads its own pending entries first, so it records them all the same."""
@@ -136,6 +229,24 @@ def test_a_fast_trial_of_three_kinds_loses_nothing(tmp_path: Path) -> None:
         assert t["finished"] and t["lost"] == 0 and t["duplicated"] == 0, (kind, t)
         assert t["version_problems"] == [] and t["archive_problems"] == [] and t["tap_attached_empty"], (kind, t)
         assert t["samples"] > t["trained"] // 2 > 0, (kind, t)
+
+
+@pytest.mark.slow
+def test_a_reader_killed_mid_fetch_on_a_cluster_loses_nothing(tmp_path: Path) -> None:
+    """One trial of the reader kind: two data-parallel replicas on a three-primary Redis Cluster, rank 1 killed while
+    its fetch waits on a held primary. The kill must land, the launcher restart both ranks, and the checks pass:
+    nothing lost or trained twice, versions never back, the archive exact, no payload key or unacked entry left."""
+    params = FaultsBenchParams(kinds="reader", trials=1, seed=2, steps=8, checkpoint_every=2, baseline=False,
+                               out=str(tmp_path), timeout_s=300, redis="cluster")
+    res = run_faults_bench(params)
+    print("\n".join(table_lines(res)))
+    t = res["trials"]["reader"][0]
+    assert t["injection"]["landed"], t["injection"]
+    assert t["finished"] and t["recovered"] and t["lost"] == 0 and t["duplicated"] == 0, t
+    assert t["version_problems"] == [] and t["archive_problems"] == [] and t["leftover_problems"] == [], t
+    assert t["payload_keys_left"] == 0 and t["unacked_left"] == 0 and t["audit"]["duplicates"] == 0, t
+    assert t["restart_s"] is not None and t["recover_s"] is not None, t  # both ranks came back and trained again
+    assert t["samples"] > t["trained"] // 2 > 0, t
 
 
 def test_a_restore_spends_the_pacing_slots_its_pushes_added_once(queue: SampleQueue, tmp_path: Path) -> None:

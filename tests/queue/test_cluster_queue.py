@@ -300,3 +300,27 @@ def test_a_reader_rides_out_a_failover_of_its_primary(redis_cluster_replicas: Lo
     writer_client.delete(*writer_client.scan_iter(match=f"{writer.keys.prefix}:*"))
     writer_client.close()
     reader_client.close()
+
+
+def test_a_stream_read_asks_nothing_of_a_dead_default_node(redis_cluster: LocalCluster,
+                                                           cluster_client: RedisClient) -> None:
+    """redis-py resolved XREADGROUP's keys with COMMAND GETKEYS on its default node, before its retry loop: with that
+    primary dead, a read of a stream on a live primary failed with a ConnectionError (a trainer crash in the cluster
+    fault trials)."""
+    assert isinstance(cluster_client, RedisCluster)
+    key = "default-node-stream"
+    home = redis_cluster.primary_for(key)
+    other = next(p for p in redis_cluster.primaries() if p != home)
+    cluster_client.xgroup_create(key, "trainer", id="0", mkstream=True)
+    entry = cluster_client.xadd(key, {"f": "v"})
+    cluster_client.replace_default_node(cluster_client.get_node(host="127.0.0.1", port=other.port))
+    redis_cluster.kill(other)
+    try:
+        # Within the node timeout (2 s) the cluster still serves the slots of its live primaries.
+        got = cluster_client.xreadgroup("trainer", "t", {key: ">"}, count=5)
+        plain = cluster_client.xread({key: "0"}, count=5)
+    finally:
+        redis_cluster.restart(other)
+        cluster_client.delete(key)
+    assert [i for i, _ in got[0][1]] == [entry]
+    assert [i for i, _ in plain[0][1]] == [entry]

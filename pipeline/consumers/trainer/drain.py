@@ -1,5 +1,6 @@
 """Draining the ``trainer`` group: recovery against the ledger, then batches of prompt groups under the staleness
-policy and the group filters. Only the trainer's rank 0 talks to the queue; the other ranks get their share from it.
+policy and the group filters. Only the trainer's rank 0 reads the stream, and it decides from headers alone: the
+payloads are fetched by the data-parallel readers, each its own share (``pipeline.consumers.trainer.readers``).
 
 Nothing is acked here. Every entry a batch consumed (trained, stale, invalid or filtered) stays pending until the
 checkpoint that holds its effect is committed; the trainer acks it then (docs/architecture.md, "Exactly-once effect").
@@ -29,7 +30,7 @@ from pipeline.consumers.trainer.staleness import (
     StalenessCounts,
     decide_group,
 )
-from pipeline.queue.base import QueueEntry
+from pipeline.queue.base import HeaderEntry, SampleHeader
 from pipeline.queue.keys import parse_slot_item
 from pipeline.queue.redis_streams import SampleQueue
 from pipeline.queue.sample import Sample, SampleStatus
@@ -76,14 +77,24 @@ return out
 
 Verdict = Literal["trained", "stale", "invalid", "filtered"]
 
+#: A group as the drain judges it: headers (a live drain), or whole samples (replay, and user filters' groups).
+Group = Sequence[Sample] | Sequence[SampleHeader]
+
+
+def trainable(s: Sample | SampleHeader) -> bool:
+    """Whether a sample can be trained on. The others of a trained group still reach the train step, which counts
+    their rewards in the group's statistics and trains none of their tokens."""
+    return s.status in TRAINABLE and s.num_response_tokens > 0
+
 
 @dataclass(frozen=True)
 class Judgement:
     """What the trainer does with one drained group, and why (:func:`judge_group`)."""
 
     fate: Verdict
-    valid: list[Sample]
-    invalid: list[Sample]
+    valid: list[Any]
+    """The trainable samples (or their headers)."""
+    invalid: list[Any]
     decision: GroupDecision | None  # None when no sample was trainable
     filtered_by: str | None = None
     weight: float = 1.0
@@ -96,7 +107,7 @@ class Judgement:
 
 
 def judge_group(
-    samples: Sequence[Sample],
+    samples: Group,
     current: int,
     staleness: StalenessConfig,
     filters: GroupFilters | None = None,
@@ -109,10 +120,10 @@ def judge_group(
     ``lineage``: which weights each version holds, once a trainer restored a checkpoint (lags are then distances
     along it).
     """
-    valid: list[Sample] = []
-    invalid: list[Sample] = []
+    valid: list[Any] = []
+    invalid: list[Any] = []
     for s in samples:
-        (valid if s.status in TRAINABLE and s.num_response_tokens > 0 else invalid).append(s)
+        (valid if trainable(s) else invalid).append(s)
     if not valid:
         return Judgement("invalid", valid, invalid, None)
     decision = decide_group(GroupVersions.from_samples(valid), current, staleness, lineage)
@@ -169,21 +180,30 @@ class SlotCounts:
     requeued: int = 0  # among them: prompts put back for another generation
     requeue_unknown: int = 0  # requeues whose group had no slot record, so no prompt index to put back
     burned: int = 0  # slots a capped step left unused and spent, so that producers stay within the budget
+    lost: int = 0  # trained groups whose payload a reader could not have: dead-lettered, prompt handed back
 
     def as_metrics(self, prefix: str = "pacing/") -> dict[str, float]:
         """The counts as ``pacing/`` metrics."""
         return {f"{prefix}slots_released": float(self.released), f"{prefix}prompts_requeued": float(self.requeued),
-                f"{prefix}requeue_unknown": float(self.requeue_unknown), f"{prefix}slots_burned": float(self.burned)}
+                f"{prefix}requeue_unknown": float(self.requeue_unknown), f"{prefix}slots_burned": float(self.burned),
+                f"{prefix}payloads_lost": float(self.lost)}
 
 
 @dataclass
 class Batch:
     """One step's worth of prompt groups, and everything the drain decided on the way."""
 
-    groups: list[list[Sample]] = field(default_factory=list)
+    groups: list[list[Any]] = field(default_factory=list)
+    """The trained groups' trainable samples: headers on rank 0 of a live drain, whole samples otherwise."""
     group_weights: list[float] = field(default_factory=list)
     """The group filters' weight of each group (1 = as is); empty means all 1."""
+    invalid: list[list[Any]] = field(default_factory=list)
+    """Each trained group's samples that cannot be trained (failed, aborted, empty): not trained, but their rewards
+    count in the group's statistics; empty where none were recorded."""
     group_entries: list[str] = field(default_factory=list)
+    sources: list[HeaderEntry | None] = field(default_factory=list)
+    """Each trained group's stream entry as read (where its payload lies); None where ``groups`` holds the samples."""
+    decisions: list[GroupDecision] = field(default_factory=list)
     lines: list[LedgerLine] = field(default_factory=list)  # stale, invalid and filtered fates, decided at drain time
     consumed: list[str] = field(default_factory=list)  # every entry id taken this step, to ack at the commit
     counts: StalenessCounts = field(default_factory=StalenessCounts)
@@ -194,8 +214,10 @@ class Batch:
     """Rewards of every trainable sample of the groups trained or filtered: what the policy scores when sampled.
     The trained groups alone overstate it under dynamic sampling, which keeps exactly the informative ones."""
 
-    def add(self, entry_id: str, judged: Judgement, step: int, current: int) -> None:
-        """Take one drained group into the batch: trained, or its samples' fates for the ledger."""
+    def add(self, entry_id: str, judged: Judgement, step: int, current: int,
+            source: HeaderEntry | None = None) -> None:
+        """Take one drained group into the batch: trained, or its samples' fates for the ledger. ``source``: the
+        entry whose payload a reader fetches, when ``judged`` was made from its headers."""
         self.consumed.append(entry_id)
         self.lines += [LedgerLine(s.sample_id, entry_id, "invalid", step, current) for s in judged.invalid]
         if judged.decision is None:
@@ -214,9 +236,63 @@ class Batch:
             # Padded with 1s for groups added without a judgement (tests, replays built by hand).
             self.group_weights += [1.0] * (len(self.groups) - len(self.group_weights)) + [judged.weight]
             self.groups.append(judged.valid)
+            self.invalid += [[] for _ in range(len(self.groups) - 1 - len(self.invalid))] + [judged.invalid]
             self.group_entries.append(entry_id)
+            self.sources += [None] * (len(self.groups) - 1 - len(self.sources)) + [source]
+            self.decisions += [judged.decision]
             return
         self.lines += [LedgerLine(s.sample_id, entry_id, judged.fate, step, current) for s in judged.valid]
+
+    def extend(self, more: Batch) -> None:
+        """Append another draw of the same step (replacements for groups whose payloads were lost)."""
+        pad = len(self.groups)
+        self.group_weights += [1.0] * (pad - len(self.group_weights)) + more.group_weights
+        self.sources += [None] * (pad - len(self.sources)) + more.sources
+        self.invalid += [[] for _ in range(pad - len(self.invalid))] + more.invalid
+        self.groups += more.groups
+        self.group_entries += more.group_entries
+        self.decisions += more.decisions
+        self.lines += more.lines
+        self.consumed += more.consumed
+        self.counts += more.counts
+        self.lags += more.lags
+        self.filters += more.filters
+        self.sampled_rewards += more.sampled_rewards
+        for f in ("released", "requeued", "requeue_unknown", "burned", "lost"):
+            setattr(self.slots, f, getattr(self.slots, f) + getattr(more.slots, f))
+
+    def untrained(self, index: int) -> list[Any]:
+        """Trained group ``index``'s samples that are not trained (see ``invalid``)."""
+        return self.invalid[index] if index < len(self.invalid) else []
+
+    def source(self, index: int) -> HeaderEntry | None:
+        """The entry trained group ``index`` was judged from, if it was judged from headers."""
+        return self.sources[index] if index < len(self.sources) else None
+
+    def tokens(self, index: int) -> int:
+        """Prompt and response tokens of trained group ``index``: what a data-parallel share is balanced by."""
+        return sum(s.num_prompt_tokens + s.num_response_tokens for s in self.groups[index])
+
+    def take_out(self, index: int) -> str:
+        """Remove trained group ``index`` (its payload was lost, so it was dead-lettered and acked instead), undoing
+        what ``add`` counted for it; returns its entry id."""
+        entry_id = self.group_entries.pop(index)
+        group = self.groups.pop(index)
+        weight = self.group_weights.pop(index) if index < len(self.group_weights) else 1.0
+        if index < len(self.invalid):
+            self.invalid.pop(index)
+        if index < len(self.sources):
+            self.sources.pop(index)
+        if index < len(self.decisions):
+            decision = self.decisions.pop(index)
+            self.counts.forget(decision)
+            self.lags.remove(decision.lag)
+        self.filters.forget_kept(weight)
+        self.consumed.remove(entry_id)
+        for s in group:
+            self.sampled_rewards.remove(s.reward)
+        self.slots.lost += 1
+        return entry_id
 
     def weights(self) -> list[float] | None:
         """One weight per group, or None when no group was reweighted (the train step then weighs none)."""
@@ -259,7 +335,7 @@ class Drainer:
         self.group, self.consumer = group, consumer
         self.block_ms, self.claim_idle_ms = block_ms, claim_idle_ms
         self.warn_filtered = warn_filtered
-        self._backlog: list[QueueEntry] = []
+        self._backlog: list[HeaderEntry] = []
         self._release = queue.redis.register_script(_RELEASE)
         self._burn = queue.redis.register_script(_BURN)
         self._restores_burned: set[int] = set()
@@ -272,11 +348,11 @@ class Drainer:
     def recover(self) -> Recovery:
         """Re-read this consumer's pending entries and claim dead trainers', acking those already committed."""
         self.queue.create_group(self.group, "0")
-        pending = self.queue.read_pending(self.group, self.consumer)
-        pending += self.queue.claim_stale(self.group, self.consumer, self.claim_idle_ms)
-        done = [e for e in pending if all(self.ledger.is_committed(s.sample_id) for s in e.samples)]
+        pending = self.queue.read_pending_headers(self.group, self.consumer)
+        pending += self.queue.claim_stale_headers(self.group, self.consumer, self.claim_idle_ms)
+        done = [e for e in pending if all(self.ledger.is_committed(h.sample_id) for h in e.headers)]
         for e in done:
-            self._entry_groups[e.id] = (e.samples[0].group_id, e.samples[0].producer)
+            self._entry_groups[e.id] = (e.group_id, e.producer)
         self._ack([e.id for e in done])
         done_set = {e.id for e in done}
         self._backlog = [e for e in pending if e.id not in done_set]
@@ -330,19 +406,24 @@ class Drainer:
                 entries, self._backlog = self._backlog[:want], self._backlog[want:]
             else:
                 entries = self._first_deliveries(
-                    self.queue.read(self.group, self.consumer, count=want, block_ms=self.block_ms))
+                    self.queue.read_headers(self.group, self.consumer, count=want, block_ms=self.block_ms))
             current = version()
             lineage = load_lineage(self.queue)
+            whole = self._samples_for_filters(entries)
             releases: list[tuple[str, str, bool]] = []
             for entry in entries:
-                first = entry.samples[0]
-                judged = judge_group(entry.samples, current, self.staleness, self.filters,
-                                     lambda group_id, p=first.producer: self._requeues(group_id, p), lineage)
-                batch.add(entry.id, judged, step, current)
-                self._entry_groups[entry.id] = (first.group_id, first.producer)
-                self._held_samples[entry.id] = tuple(s.sample_id for s in entry.samples)
+                group: Group = entry.headers
+                if whole is not None:
+                    if entry.id not in whole:
+                        continue  # its payload is lost: dead-lettered, and its prompt handed back
+                    group = whole[entry.id]
+                judged = judge_group(group, current, self.staleness, self.filters,
+                                     lambda group_id, p=entry.producer: self._requeues(group_id, p), lineage)
+                batch.add(entry.id, judged, step, current, source=entry)
+                self._entry_groups[entry.id] = (entry.group_id, entry.producer)
+                self._held_samples[entry.id] = tuple(h.sample_id for h in entry.headers)
                 if judged.fate != "trained":
-                    releases.append((first.group_id, first.producer, judged.requeue))
+                    releases.append((entry.group_id, entry.producer, judged.requeue))
             self._give_back(releases, batch.slots)
             if batch.filters.groups >= warned_at:
                 warned_at *= 2
@@ -354,6 +435,33 @@ class Drainer:
             keys = [self.queue.keys.slots_burned, self.queue.keys.groups_started]
             batch.slots.burned += unused * int(self._burn(keys=keys, args=[step, unused]))
         return batch
+
+    def _samples_for_filters(self, entries: list[HeaderEntry]) -> dict[str, list[Sample]] | None:
+        """The whole samples of ``entries``, by entry id, when a user filter must see them (it is handed samples,
+        tokens and all); None when headers are enough. Rank 0 then fetches these payloads once for the filters, and
+        the readers fetch the kept ones again. An entry whose payload is lost is dead-lettered here."""
+        if self.filters is None or not self.filters.user or not entries:
+            return None
+        return {e.id: e.samples for e in self.queue.materialize(self.group, self.consumer, entries)}
+
+    def lose(self, batch: Batch, lost: Sequence[tuple[int, str]]) -> None:
+        """Trained groups of ``batch`` whose payloads its readers could not have (group index, reason): each is
+        dead-lettered with its reason and the payload as it is now (if any), and its prompt handed back. The caller
+        takes them out of the batch (``Batch.take_out``) once the step's plan is settled, and draws replacements."""
+        entries: list[tuple[HeaderEntry, str]] = []
+        for index, reason in lost:
+            entry = batch.source(index)
+            if entry is None:
+                raise RuntimeError(f"group {index} of the batch was shipped whole, yet a reader could not decode it: "
+                                   f"{reason}")
+            entries.append((entry, reason))
+        keys = [e.payload_key for e, _ in entries if e.payload_key is not None]
+        now = self.queue.fetch_payloads(keys) if keys else {}
+        self.queue.lose_payloads(self.group, self.consumer,
+                                 [(e, reason, now.get(e.payload_key or "")) for e, reason in entries])
+        for entry, _ in entries:
+            self._entry_groups.pop(entry.id, None)
+            self._held_samples.pop(entry.id, None)
 
     def _burn_restores(self, batch_groups: int, batch: Batch) -> None:
         """Spend the slots a restore added to the pacing budget, once per restore (docs/queue.md, "Pacing slots").
@@ -372,7 +480,7 @@ class Drainer:
             batch.slots.burned += count * int(self._burn(keys=keys, args=[f"restore:{start}", count]))
             self._restores_burned.add(start)
 
-    def _first_deliveries(self, entries: list[QueueEntry]) -> list[QueueEntry]:
+    def _first_deliveries(self, entries: list[HeaderEntry]) -> list[HeaderEntry]:
         """The entries this trainer has not drained before, and whose samples it has not drained in another entry.
 
         When Redis dies (docs/faults.md, "Durability") two things can bring samples back. A server that lost its
@@ -385,7 +493,7 @@ class Drainer:
         held = {sid for ids in self._held_samples.values() for sid in ids}
         fresh, committed = [], []
         for e in entries:
-            ids = [s.sample_id for s in e.samples]
+            ids = [h.sample_id for h in e.headers]
             if e.id in self._entry_groups or all(sid in held for sid in ids):
                 log.warning("entry %s holds samples already drained for a step not yet committed (did Redis die "
                             "before it answered?); not drained twice", e.id)
@@ -397,7 +505,7 @@ class Drainer:
             log.warning("%d entries hold samples already committed (did Redis die before it answered?); acked "
                         "without training", len(committed))
             for e in committed:
-                self._entry_groups[e.id] = (e.samples[0].group_id, e.samples[0].producer)
+                self._entry_groups[e.id] = (e.group_id, e.producer)
             self._ack([e.id for e in committed])
         return fresh
 
@@ -416,12 +524,12 @@ class Drainer:
         held_samples = {sid for ids in self._held_samples.values() for sid in ids}
         done, found = [], []
         for entry_id in stale:
-            for eid, entry in self.queue.scan(entry_id, entry_id):
-                if not isinstance(entry, QueueEntry):
+            for eid, entry in self.queue.scan_headers(entry_id, entry_id):
+                if not isinstance(entry, HeaderEntry):
                     continue
-                ids = [s.sample_id for s in entry.samples]
+                ids = [h.sample_id for h in entry.headers]
                 if all(self.ledger.is_committed(sid) for sid in ids):
-                    self._entry_groups[eid] = (entry.samples[0].group_id, entry.samples[0].producer)
+                    self._entry_groups[eid] = (entry.group_id, entry.producer)
                     done.append(eid)
                 elif not all(sid in held_samples for sid in ids):
                     found.append(entry)

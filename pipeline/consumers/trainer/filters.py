@@ -96,6 +96,12 @@ class FilterCounts:
         self.weight_sum += weight
         self.groups_reweighted += int(weight != 1.0)
 
+    def forget_kept(self, weight: float) -> None:
+        """Undo ``record_kept`` for a group that never reached the step (its payload was lost)."""
+        self.groups_kept -= 1
+        self.weight_sum -= weight
+        self.groups_reweighted -= int(weight != 1.0)
+
     def record(self, reason: str, num_samples: int) -> None:
         """Count one removed group; ``reason`` is what :meth:`GroupFilters.check` returned."""
         if reason == ZERO_VARIANCE:

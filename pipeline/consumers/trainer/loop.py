@@ -1,7 +1,8 @@
 """The trainer: drains the queue, trains with megatron-core, pushes weights, and commits exactly once.
 
-One process per rank. Rank 0 alone talks to Redis and to the engines; it hands every rank its share of each step's
-prompt groups as msgpack bytes over a gloo group (never pickle). The commit protocol (docs/architecture.md):
+One process per rank. Rank 0 alone reads the stream and talks to the engines: it decides each step from the
+entries' headers and sends every data-parallel replica the payload keys of its share (msgpack over a gloo group, never
+pickle), which the replica's reader fetches (``readers``). The commit protocol (docs/architecture.md):
 
 1. entries stay pending in the ``trainer`` group while their effect lives only in memory;
 2. a commit writes the ledger segment, then the checkpoint (model, optimizer, policy version), whose rename is the
@@ -27,13 +28,19 @@ import torch
 import torch.distributed as dist
 
 from pipeline.consumers.trainer.checkpoints import prune_checkpoints
-from pipeline.consumers.trainer.drain import Batch
+from pipeline.consumers.trainer.drain import Batch, Drainer
 from pipeline.consumers.trainer.hooks import HookRunner
 from pipeline.consumers.trainer.ledger import Ledger, LedgerLine
 from pipeline.consumers.trainer.profiling import StepProfiler
 from pipeline.consumers.trainer.push import Owners, PushSteps, close_pusher
+from pipeline.consumers.trainer.readers import (
+    GroupRef,
+    SharePlanner,
+    ShareReader,
+    all_gather_msgpack,
+    broadcast_msgpack_sized,
+)
 from pipeline.consumers.trainer.staleness import lag_histogram
-from pipeline.queue.codec import decode_samples, encode_samples
 from pipeline.queue.redis_streams import RESUME_EVENT, SampleQueue
 from pipeline.queue.sample import Sample
 from pipeline.rundir import checkpoint_name, checkpoints_dir, latest_checkpoint, trainer_metrics_path
@@ -201,6 +208,8 @@ class Trainer(PushSteps):
         dp_rank: int = 0,
         dp_size: int = 1,
         owners: Owners | None = None,
+        reader: ShareReader | None = None,
+        planner: SharePlanner | None = None,
     ) -> None:
         self.s = settings
         self.owners = owners
@@ -211,6 +220,11 @@ class Trainer(PushSteps):
             raise ValueError(f"rank 0 alone holds the RankZero collaborators; this is rank {self.rank}")
         self.lead = lead
         self.dp_rank, self.dp_size = dp_rank, dp_size
+        # By default rank 0 reads with its drain's queue; without one a reader takes inline groups only (replay).
+        lead_queue = lead.source.queue if lead is not None and isinstance(lead.source, Drainer) else None
+        self.reader = reader or ShareReader(lead_queue)
+        self.planner = planner if planner is not None or lead is None else SharePlanner(max(dp_size, 1))
+        self._reading: dict[str, float] = {}
         self.profiler = StepProfiler(settings.profile_steps, settings.run_dir, self.rank)
         self.ckpt_root = checkpoints_dir(settings.run_dir)
         self.metrics_path = trainer_metrics_path(settings.run_dir)
@@ -322,39 +336,84 @@ class Trainer(PushSteps):
         return sum(a.action == "held" for a in adoptions)
 
     def drain(self) -> Batch | None:
-        """Rank 0 reads a batch; every rank gets its data-parallel share. None means stop."""
+        """Rank 0 decides a batch from headers; every rank gets its data-parallel share from its replica's reader
+        (``readers``). None means stop."""
         batch: Batch | None = None
         if (lead := self.lead) is not None:
-            clock = lead.clock
-
-            def version() -> int:
-                # While a push is in flight its engines may already sample with the new weights before the clock
-                # moves: judge against the version being pushed, so no token can look newer than the trainer.
-                return max(self.version, clock.get())
-
-            batch = lead.source.next_batch(self.s.batch_groups, self.step, version,
-                                           should_stop=lambda: self._stop_requested)
+            batch = self._draw(self.s.batch_groups)
             # Rank 0's own request decides here, and the broadcast below tells every rank, so they stop together.
-            if len(batch.groups) < max(self.dp_size, 1) or (self._stop_requested
-                                                             and len(batch.groups) < self.s.batch_groups):
+            if batch is not None and len(batch.groups) < max(self.dp_size, 1):
                 # A partial batch is not trained; its entries stay pending and are redone after a restart.
                 batch = None
         self._rank0_batch = batch
-        if not self._distributed:
-            if batch is None:
+        loads = [0] * max(self.dp_size, 1)
+        todo = None if batch is None else list(range(len(batch.groups)))
+        mine: list[tuple[GroupRef, list[Sample]]] = []
+        lost_all: list[tuple[int, str]] = []
+        plan_bytes = fetched_bytes = 0
+        while True:
+            shares: list[list[Any]] | None = None
+            lost_here: list[tuple[int, str]] = []
+            if batch is not None and todo is not None:
+                assert self.planner is not None
+                planned, lost_here = self.planner.plan(batch, todo, loads)
+                shares = [[r.pack() for r in share] for share in planned]
+            shared: dict[str, Any] = {"shares": shares}
+            if self._distributed:
+                shared, sent = broadcast_msgpack_sized(shared if self.rank == 0 else None, 0, self._bytes_group)
+                plan_bytes += sent
+            if shared["shares"] is None:
                 self._stop = True
-            return batch
-        # Plain routing: the share is one in-memory broadcast, where compressing would only cost time.
-        payload = None if batch is None else [encode_samples(g, routing="plain") for g in batch.groups]
-        weights = None if batch is None else batch.weights()
-        shared = self._share({"groups": payload, "weights": weights})
-        if shared["groups"] is None:
-            self._stop = True
+                return None
+            got, lost = self.reader.read([GroupRef.unpack(r) for r in shared["shares"][self.dp_rank]])
+            mine += got
+            reports = [[*lost, *lost_here], self.reader.take_stats().fetched_bytes]
+            gathered = all_gather_msgpack(reports, self._bytes_group) if self._distributed else [reports]
+            fetched_bytes += sum(int(g[1]) for g in gathered)
+            lost_now = sorted({(int(i), str(why)) for g in gathered for i, why in g[0]})
+            if not lost_now:
+                break
+            lost_indices = {i for i, _ in lost_now}
+            mine = [(ref, g) for ref, g in mine if ref.index not in lost_indices]
+            lost_all += lost_now
+            todo = None
+            if lead is not None and batch is not None:
+                assert isinstance(lead.source, Drainer)
+                lead.source.lose(batch, lost_now)
+                log.warning("step %d: %d payloads lost (%s); drawing replacements", self.step + 1, len(lost_now),
+                            "; ".join(why for _, why in lost_now[:3]))
+                more = self._draw(len(lost_now))
+                if more is None or len(more.groups) < len(lost_now):
+                    batch = None  # stopped while drawing: nothing is trained, the pending entries are redone
+                else:
+                    first = len(batch.groups)
+                    batch.extend(more)
+                    todo = list(range(first, len(batch.groups)))
+        if batch is not None:
+            for index in sorted({i for i, _ in lost_all}, reverse=True):
+                batch.take_out(index)
+            self._rank0_batch = batch
+            self._reading = {"drain/plan_bytes": float(plan_bytes), "drain/payload_bytes": float(fetched_bytes),
+                             "drain/groups_lost": float(len(lost_all)),
+                             "drain/reader_tokens_max_over_mean": max(loads) / max(sum(loads) / len(loads), 1e-9)}
+        mine.sort(key=lambda x: x[0].index)
+        return Batch(groups=[g for _, g in mine], group_weights=[ref.weight for ref, _ in mine])
+
+    def _draw(self, groups: int) -> Batch | None:
+        """Rank 0: up to ``groups`` groups from the source, or None when a stop cut the draw short."""
+        lead = self.lead
+        assert lead is not None
+        clock = lead.clock
+
+        def version() -> int:
+            # While a push is in flight its engines may already sample with the new weights before the clock
+            # moves: judge against the version being pushed, so no token can look newer than the trainer.
+            return max(self.version, clock.get())
+
+        batch = lead.source.next_batch(groups, self.step, version, should_stop=lambda: self._stop_requested)
+        if self._stop_requested and len(batch.groups) < groups:
             return None
-        # Rank 0 keeps the whole batch for the ledger; every rank trains on its data-parallel share.
-        groups = [decode_samples(b) for b in shared["groups"]]
-        share = slice(self.dp_rank, None, self.dp_size)
-        return Batch(groups=groups[share], group_weights=(shared["weights"] or [])[share])
+        return batch
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         start = time.perf_counter()
@@ -384,6 +443,7 @@ class Trainer(PushSteps):
             "reward_mean_trained": sum(rewards) / max(len(rewards), 1), "groups": len(full.groups),
             "samples": len(rewards), "lag_max": max(full.lags, default=0),
             **full.counts.as_metrics(), **full.drain_metrics(), **lag_histogram(full.lags, num_buckets=4),
+            **self._reading,
             # The step's own reward_mean is the trained groups' (reward_mean_trained above).
             **{k: v for k, v in metrics.items() if k != "reward_mean"},
         }

@@ -29,9 +29,12 @@ from pipeline.consumers.trainer.hooks import HookRunner
 from pipeline.consumers.trainer.ledger import Ledger
 from pipeline.consumers.trainer.loop import RankZero, RedisClock, Trainer, TrainerSettings
 from pipeline.consumers.trainer.push import Owners
+from pipeline.consumers.trainer.readers import FetchMode, SharePlanner, ShareReader
 from pipeline.consumers.trainer.snapshots import SnapshotWriter
 from pipeline.errors import ConfigError
 from pipeline.metrics import open_sinks
+from pipeline.queue.redis_streams import SampleQueue
+from pipeline.queue.rundir import RunHandle
 from pipeline.rundir import base_model_dir, engines_path, latest_checkpoint, ledger_dir
 from pipeline.sync.base import WeightPush, WeightUpdateEngine
 from pipeline.sync.pusher import PushOptions
@@ -125,13 +128,18 @@ def run_trainer(run_dir: Path, model_dir: Path,
                                checkpoint_every=trainer.checkpoint_every,
                                keep_checkpoints=trainer.keep_checkpoints, run_dir=run_dir,
                                overlap_push=trainer.overlap_push, profile_steps=trainer.profile_steps)
+    reader, reader_handle = _reader(run_dir, queue, trainer.fetch, None if lead is None else handle.queue)
+    planner = None if lead is None else SharePlanner(ps.get_data_parallel_world_size(), trainer.fetch,
+                                                     handle.queue)
     driver = Trainer(settings, model=megatron_model, optimizer=optimizer, step_fn=step, export_weights=export,
                      lead=lead, loop=loop, dp_rank=ps.get_data_parallel_rank(),
-                     dp_size=ps.get_data_parallel_world_size(), owners=owners)
+                     dp_size=ps.get_data_parallel_world_size(), owners=owners, reader=reader, planner=planner)
     try:
         driver.train()
     finally:
         driver.close()
+        if reader_handle is not None:
+            reader_handle.close()
         if lead is not None and lead.snapshots is not None:
             lead.snapshots.close()  # the final snapshot must be on disk before the launcher sees this rank finish
         # The interpreter's last collection at exit would walk every object megatron and torch made: about 5 s on
@@ -163,6 +171,34 @@ def check_spec_weights(model: Any, model_cfg: Any, *, source: ModelSource, engin
         return  # the patched CPU engines check every pushed name against their model before receiving it
     log.warning("model.spec adds weights %s: the SGLang servers must run a model that has them (a server that does "
                 "not refuses the first weight push)", shown)
+
+
+def _reader(run_dir: Path, queue: QueueConfig, fetch: FetchMode, lead_queue: SampleQueue | None
+            ) -> tuple[ShareReader, RunHandle | None]:
+    """This rank's part in reading each step's payloads (``pipeline.consumers.trainer.readers``), and the queue
+    handle it opened for that, if any. Collective: with tensor parallelism, every rank makes the gloo group of every
+    replica, over which the replica's first rank passes its payloads on."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from pipeline.consumers.trainer.readers import all_gather_msgpack
+
+    peers = reader = None
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        mine = sorted(dist.get_process_group_ranks(ps.get_tensor_model_parallel_group()))
+        every = sorted({tuple(r) for r in all_gather_msgpack(mine, dist.new_group(backend="gloo"))})
+        for ranks in every:
+            group = dist.new_group(list(ranks), backend="gloo")  # every rank makes every group, in one order
+            if list(ranks) == mine:
+                peers = group
+        reader = mine[0]
+    reads = fetch == "readers" and (reader is None or reader == dist.get_rank())
+    if not reads or lead_queue is not None:
+        return ShareReader(lead_queue if reads else None, peers=peers, reader=reader), None
+    from pipeline.queue.rundir import open_run
+
+    handle = open_run(run_dir=run_dir, redis_url=queue.redis_url, capacity=queue.capacity, start_server=False)
+    return ShareReader(handle.queue, peers=peers, reader=reader), handle
 
 
 def _owners(sync: SyncConfig, megatron_model: Any, model_cfg: Any) -> Owners | None:

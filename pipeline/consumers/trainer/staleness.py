@@ -135,6 +135,13 @@ class StalenessCounts:
             self.groups_requeue += 1
             self.samples_requeue += n
 
+    def forget(self, decision: GroupDecision) -> None:
+        """Undo ``record`` of a decision whose group never reached the step (its payload was lost)."""
+        undo = StalenessCounts()
+        undo.record(decision)
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) - getattr(undo, f.name))
+
     def __iadd__(self, other: StalenessCounts) -> StalenessCounts:
         for f in fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
