@@ -167,6 +167,7 @@ class SluiceConfig(Strict):
                             "machine's loopback only; start a redis-server the nodes can reach and set "
                             "queue.redis_url")
         problems += self._heldout_problems()
+        problems += self._lora_problems()
         problems += self._plugin_problems()
         if self.warmstart.enabled and self.engine.type == "sglang" and not self.engine.launch:
             problems.append("warmstart.enabled with engine.type = 'sglang': SGLang servers serve the weights they were "
@@ -224,6 +225,25 @@ class SluiceConfig(Strict):
     def plugin_records(self) -> list[dict[str, str | None]]:
         """Each plug-in's import path, source file and SHA-256 (what ``RUN_DIR/plugins.json`` holds)."""
         return [plugins.record(ref, field=field).as_dict() for field, ref, _ in self.plugin_refs()]
+
+    def _lora_problems(self) -> list[str]:
+        """Adapters the engines could not serve, refused before anything starts (``--dry-run`` included)."""
+        from pipeline.config.trainer import LORA_EXPERT_TARGETS
+
+        lora = self.trainer.lora
+        if lora is None:
+            return []
+        problems = []
+        experts = [t for t in lora.targets if t in LORA_EXPERT_TARGETS]
+        if self.engine.type == "cpu" and lora.serve == "adapter" and experts:
+            problems.append(f"trainer.lora.targets {experts} with serve = 'adapter': sluice's CPU engine keeps the "
+                            "routed experts fused in one tensor per layer and applies adapters to single "
+                            "projections only; use serve = 'merge' or drop the expert targets")
+        if self.engine.type == "sglang":
+            problems.append("trainer.lora with engine.type = 'sglang': the adapter push to SGLang (its "
+                            "/load_lora_adapter route) is not built yet; use engine.type = 'cpu', or train every "
+                            "weight (remove [trainer.lora])")
+        return problems
 
     def _heldout_problems(self) -> list[str]:
         held = self.eval.heldout

@@ -296,6 +296,42 @@ class TrainStepConfig(BaseModel):
     """The policy-gradient loss."""
 
 
+LORA_DENSE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_EXPERT_TARGETS = ("experts.gate_proj", "experts.up_proj", "experts.down_proj")
+
+
+class LoRAConfig(BaseModel):
+    """Low-rank adapters on a frozen base (``pipeline.consumers.megatron.lora``): only the adapters train, are
+    checkpointed and travel to the engines."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rank: int = Field(default=8, ge=1, le=4096)
+    """r: the adapters' inner width."""
+    alpha: float = Field(default=16.0, gt=0.0, le=1e6)
+    """The update is (alpha / rank) * B @ A."""
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapters' input while training (the engines apply none)."""
+    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    """HF projection names: q/k/v/o_proj; gate/up/down_proj of dense MLP layers; experts.gate/up/down_proj of the
+    routed experts (every expert gets its own pair). The router is never adapted: its weights stay the base's, so
+    routing moves only through the hidden states."""
+    serve: Literal["merge", "adapter"] = "merge"
+    """How engines take a pushed adapter. "merge": the engine writes base + (alpha / rank) * B @ A into the weights
+    it serves (any target). "adapter": it keeps the base and adds the adapter's output beside each adapted
+    projection, as SGLang's --enable-lora does (sluice's CPU engine: attention and dense projections only)."""
+
+    @model_validator(mode="after")
+    def _known_targets(self) -> LoRAConfig:
+        valid = (*LORA_DENSE_TARGETS, *LORA_EXPERT_TARGETS)
+        unknown = [t for t in self.targets if t not in valid]
+        if unknown or not self.targets:
+            raise ValueError(f"trainer.lora.targets = {list(self.targets)}: give one or more of {list(valid)}")
+        if len(set(self.targets)) != len(self.targets):
+            raise ValueError(f"trainer.lora.targets = {list(self.targets)} names a target twice")
+        return self
+
+
 class TrainerConfig(TrainStepConfig):
     """The Megatron-core trainer: the train step's settings (lr, r3, micro-batching, loss, ...) plus the loop's."""
 
@@ -326,6 +362,8 @@ class TrainerConfig(TrainStepConfig):
     overlap_push: bool = True
     """Push each step's weights in the background while the next batch is drained and trained (the version still
     advances only once every engine has them); false pushes before the next drain."""
+    lora: LoRAConfig | None = None
+    """``[trainer.lora]``: train low-rank adapters on a frozen base instead of every weight; None trains all."""
     profile_steps: tuple[int, int] | None = None
     """[a, b]: run torch.profiler over trainer steps a..b (inclusive) and write a Chrome/Perfetto trace per rank to
     RUN_DIR/profiles/ (open it at ui.perfetto.dev); None profiles nothing."""

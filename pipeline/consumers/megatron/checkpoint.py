@@ -23,6 +23,7 @@ import torch.distributed as dist
 from pipeline.errors import ConfigError, SluiceError
 
 _META = "sluice_meta.json"
+_ADAPTER = ".lora_"  # lora.ADAPTER_MARK, without importing megatron code here
 _STEP_KEY = "common_step"
 
 
@@ -93,9 +94,17 @@ def _materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         p.grad = grad
 
 
+def _has_adapters(model: Any) -> bool:
+    return any(_ADAPTER in name for name, _ in model.named_parameters())
+
+
 def _sharded_state(model: Any, optimizer: Any | None, *, loading: bool = False) -> dict[str, Any]:
     # model is a megatron MegatronModule (GPTModel), whose sharded_state_dict describes each rank's shards.
     model_sharded = model.sharded_state_dict()
+    if _has_adapters(model):
+        # LoRA: the base is frozen and rebuilt from its folder (checked by hash, check_base), so only the adapters
+        # are saved; the optimizer holds state for them alone.
+        model_sharded = {key: value for key, value in model_sharded.items() if _ADAPTER in key}
     state: dict[str, Any] = {"model": model_sharded}
     if optimizer is not None and _is_megatron_optimizer(optimizer):
         state["optimizer"] = optimizer.sharded_state_dict(model_sharded, is_loading=loading)
@@ -171,12 +180,38 @@ def load_checkpoint(
     if optimizer is not None and not megatron_optimizer:
         _materialize_optimizer_state(optimizer)
     loaded = dist_checkpointing.load(_sharded_state(model, optimizer, loading=True), str(directory))
-    model.load_state_dict(loaded["model"], strict=True)
+    if _has_adapters(model):
+        missing, unexpected = model.load_state_dict(loaded["model"], strict=False)
+        lost = [name for name in missing if _ADAPTER in name]
+        if lost or unexpected:
+            raise ConfigError(f"checkpoint {directory} does not hold this run's LoRA adapters (missing {lost[:3]}, "
+                              f"unexpected {list(unexpected)[:3]}): were trainer.lora's targets or rank changed?")
+    else:
+        model.load_state_dict(loaded["model"], strict=True)
     if megatron_optimizer:
         optimizer.load_state_dict(loaded["optimizer"])  # type: ignore[union-attr]
     elif optimizer is not None:
         _load_optimizer(optimizer, loaded["optimizer"])
     return meta
+
+
+def check_base(directory: str | Path, base: dict[str, Any] | None) -> None:
+    """Refuse to resume LoRA adapters onto another base than the one they were trained on, and a full-weight run
+    from an adapters-only checkpoint (or the other way round); ``base`` is this run's (None: no LoRA)."""
+    saved = read_checkpoint_meta(directory).get("lora_base")
+    if saved is None and base is None:
+        return
+    if saved is None:
+        raise ConfigError(f"checkpoint {directory} holds every weight (trained without [trainer.lora]), but this run "
+                          "trains LoRA adapters; start a new run folder, or remove [trainer.lora] to resume it")
+    if base is None:
+        raise ConfigError(f"checkpoint {directory} holds LoRA adapters only (base {saved['path']}), but this run "
+                          "has no [trainer.lora]; restore the recipe's [trainer.lora] to resume it")
+    if saved.get("sha256") != base.get("sha256"):
+        raise ConfigError(f"checkpoint {directory} holds LoRA adapters trained on the base at {saved['path']} (sha256 "
+                          f"{saved.get('sha256', '?')[:12]}...), but this run's base at {base.get('path')} has sha256 "
+                          f"{str(base.get('sha256'))[:12]}...: adapters only mean something on their own base. Point "
+                          "model.path at that base, or start a new run folder")
 
 
 def _load_optimizer(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:

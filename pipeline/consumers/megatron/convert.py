@@ -445,16 +445,20 @@ def is_tp_sharded(param: torch.Tensor, group: Any) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False)) and dist.get_world_size(group) > 1
 
 
-def unshard_to(param: torch.Tensor, name: str, group: Any, dst: int) -> torch.Tensor | None:
-    """``param`` whole on global rank ``dst`` (a member of ``group``), None on the other members."""
+def unshard_to(param: torch.Tensor, name: str, group: Any, dst: int,
+               value: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``param`` whole on global rank ``dst`` (a member of ``group``), None on the other members. ``value``, sharded
+    as ``param`` is, is gathered in its place (a LoRA-merged weight)."""
+    local = (param if value is None else value).detach()
     if not is_tp_sharded(param, group):
-        return param.detach() if dist.get_rank() == dst else None
-    parts = gather_to(param.detach(), group, dst)
+        return local if dist.get_rank() == dst else None
+    parts = gather_to(local, group, dst)
     return None if parts is None else join_shards(parts, param, name)
 
 
 def iter_hf_weights(
-    mg_model: torch.nn.Module, model: ModelConfig, *, dtype: torch.dtype | None = None
+    mg_model: torch.nn.Module, model: ModelConfig, *, dtype: torch.dtype | None = None,
+    values: Mapping[str, torch.Tensor] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) for every weight, in a fixed order; yields only on global rank 0.
 
@@ -462,7 +466,8 @@ def iter_hf_weights(
     ranks whose groups hold rank 0 (its tensor-parallel group for dense weights; data-parallel replica 0 of the
     experts for those): no rank receives a tensor it would drop. Unsharded tensors are views of the live parameters
     (no copy), so send or clone them before the next optimizer step. ``pipeline.consumers.megatron.owners`` exports
-    each tensor from the rank that owns it instead.
+    each tensor from the rank that owns it instead. ``values`` replaces named parameters' local shards with tensors
+    sharded the same way (``lora.merge_lora``'s merged weights).
     """
     from megatron.core import parallel_state as ps
 
@@ -472,13 +477,15 @@ def iter_hf_weights(
     extra = check_exportable(mg_model, model)
     dense_replica_0 = single or ps.get_data_parallel_rank() == 0
     for name, param in named_weights(mg_model):
+        value = None if values is None else values.get(name)
         match = MEGATRON_EXPERT.match(name)
         if match is not None:
-            items = _expert_items(name, param, model, single)
+            items = _expert_items(name, param, model, single, value)
         elif not dense_replica_0:
             continue  # rank 0's TP group gathers these; this rank's group holds another replica
         else:
-            full = param.detach() if single else unshard_to(param, name, ps.get_tensor_model_parallel_group(), 0)
+            local = (param if value is None else value).detach()
+            full = local if single else unshard_to(param, name, ps.get_tensor_model_parallel_group(), 0, value)
             if full is None:
                 continue
             items = [(extra[name], full)] if name in extra else megatron_full_to_hf(name, full, model)
@@ -487,17 +494,18 @@ def iter_hf_weights(
                 yield hf_name, (tensor.to(dtype) if dtype is not None else tensor).contiguous()
 
 
-def _expert_items(name: str, param: torch.Tensor, model: ModelConfig, single: bool) -> list[tuple[str, torch.Tensor]]:
+def _expert_items(name: str, param: torch.Tensor, model: ModelConfig, single: bool,
+                  value: torch.Tensor | None = None) -> list[tuple[str, torch.Tensor]]:
     """This expert parameter of every EP rank, on rank 0 (empty elsewhere): each ETP group of expert replica 0
     gathers its shards to its first rank, whose EP group (rank 0's) then gathers the experts to rank 0."""
     from megatron.core import parallel_state as ps
 
     if single:
-        return megatron_full_to_hf(name, param.detach(), model)
+        return megatron_full_to_hf(name, (param if value is None else value).detach(), model)
     if ps.get_expert_data_parallel_rank() != 0:
         return []
     etp_group = ps.get_expert_tensor_parallel_group()
-    full_local = unshard_to(param, name, etp_group, dist.get_process_group_ranks(etp_group)[0])
+    full_local = unshard_to(param, name, etp_group, dist.get_process_group_ranks(etp_group)[0], value)
     if full_local is None:
         return []
     per_rank = gather_to(full_local, ps.get_expert_model_parallel_group(), 0)

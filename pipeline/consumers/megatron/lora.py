@@ -1,4 +1,4 @@
-"""LoRA adapters on a megatron-core ``GPTModel`` (library only: no recipe, push or export reads them yet).
+"""LoRA adapters on a megatron-core ``GPTModel`` (``[trainer.lora]``; ``lora_export`` takes them out by HF name).
 
 :func:`apply_lora` freezes every base parameter and hangs two parameters, ``lora_a`` [r, in] and ``lora_b``
 [out, r], on each targeted megatron linear, with a forward hook that adds ``scale * B(A(dropout(x)))`` to the linear's
@@ -25,6 +25,7 @@ peers and any TP layout hold the same adapter.
 from __future__ import annotations
 
 import math
+import types
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -268,7 +269,24 @@ def _add_adapter(linear: torch.nn.Module, global_name: str, parts: set[str], spe
     linear.lora_dropout = torch.nn.Dropout(spec.dropout) if spec.dropout > 0 else torch.nn.Identity()
     linear.lora_scale = spec.scale
     linear.lora_parts = frozenset(parts)
+    linear.lora_column = column
     linear.register_forward_hook(_lora_hook, with_kwargs=True)
+    linear.sharded_state_dict = types.MethodType(_adapted_sharded_state_dict, linear)
+
+
+def _adapted_sharded_state_dict(self: torch.nn.Module, prefix: str = "", sharded_offsets: tuple = (),
+                                metadata: dict | None = None) -> dict[str, Any]:
+    """The linear's own sharded state with its adapter's TP-split factor declared split, as the base weight is (the
+    class's method would save it as replicated: each TP rank's shard under one key, and all but one lost)."""
+    from megatron.core.transformer.utils import make_tp_sharded_tensor_for_checkpoint
+
+    state = type(self).sharded_state_dict(self, prefix, sharded_offsets, metadata)
+    name, axis = ("lora_b", 0) if self.lora_column else ("lora_a", 1)
+    if _group_size(self.tp_group) > 1:
+        state[f"{prefix}{name}"] = make_tp_sharded_tensor_for_checkpoint(
+            getattr(self, name), f"{prefix}{name}", axis, prepend_offsets=sharded_offsets, tp_group=self.tp_group,
+            dp_cp_group=(metadata or {}).get("dp_cp_group"))
+    return state
 
 
 def lora_linears(model: torch.nn.Module) -> dict[str, torch.nn.Module]:

@@ -174,6 +174,9 @@ class TrainerSettings:
     run_dir: Path
     overlap_push: bool = False
     profile_steps: tuple[int, int] | None = None
+    base: dict[str, Any] | None = None
+    """With LoRA: the base the adapters belong to (``lora_export.base_identity``), written into every checkpoint; a
+    resume from a checkpoint of another base is refused."""
 
 
 @dataclass
@@ -204,6 +207,7 @@ class Trainer(PushSteps):
         step_fn: StepFn,
         export_weights: Any,
         lead: RankZero | None,
+        export_full: Any = None,
         loop: asyncio.AbstractEventLoop | None = None,
         dp_rank: int = 0,
         dp_size: int = 1,
@@ -215,6 +219,7 @@ class Trainer(PushSteps):
         self.owners = owners
         self.model, self.optimizer, self.step_fn = model, optimizer, step_fn
         self.export_weights = export_weights
+        self.export_full = export_full
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         if (lead is not None) != (self.rank == 0):
             raise ValueError(f"rank 0 alone holds the RankZero collaborators; this is rank {self.rank}")
@@ -287,8 +292,9 @@ class Trainer(PushSteps):
         meta: dict[str, Any] = {}
         checkpoint_version = 0
         if latest is not None:
-            from pipeline.consumers.megatron.checkpoint import load_checkpoint
+            from pipeline.consumers.megatron.checkpoint import check_base, load_checkpoint
 
+            check_base(latest, self.s.base)
             meta = load_checkpoint(latest, self.model, self.optimizer)
             self.step = self._committed_step = int(meta["step"])
             checkpoint_version = int(meta.get("policy_version", 0))
@@ -471,7 +477,8 @@ class Trainer(PushSteps):
             self.lead.ledger.write_segment(self.step)
         state = self.step_fn.state_dict()
         seconds = save_checkpoint(directory, self.model, self.optimizer,
-                                  meta={"step": self.step, "policy_version": self.version, "train_step": state})
+                                  meta={"step": self.step, "policy_version": self.version, "train_step": state,
+                                        **({"lora_base": self.s.base} if self.s.base is not None else {})})
         self._committed_step = self.step
         if (lead := self.lead) is not None:
             lead.ledger.mark_committed(self.step)

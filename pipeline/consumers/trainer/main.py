@@ -66,6 +66,12 @@ def build_rank(model_dir: Path, *, trainer: TrainerConfig, run: RunConfig, model
     init_parallel(parallel, seed=run.seed)
     megatron_model = build_gpt_model(model_cfg, parallel, r3=trainer.r3, spec=model.spec, hf_config=hf_config)
     load_hf_into_megatron(megatron_model, model_dir, model_cfg)
+    if trainer.lora is not None:
+        from pipeline.consumers.megatron.lora import LoRASpec, apply_lora
+
+        lora = trainer.lora
+        apply_lora(megatron_model, LoRASpec(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
+                                            targets=lora.targets), seed=run.seed)
     reference = None
     if trainer.loss.kl_coef > 0:
         # The KL anchor is the starting weights, so it is never checkpointed: a resume rebuilds it from model_dir.
@@ -99,7 +105,8 @@ def run_trainer(run_dir: Path, model_dir: Path,
         check_spec_weights(megatron_model, model_cfg, source=model, engine=engine)
     rank = dist.get_rank()
     loop = asyncio.new_event_loop()
-    owners = _owners(sync, megatron_model, model_cfg) if engines is not None else None  # collective
+    # With LoRA the push is the adapters, from rank 0: the owners' push sends shards of the base.
+    owners = _owners(sync, megatron_model, model_cfg) if engines is not None and trainer.lora is None else None
     lead: RankZero | None = None
     if rank == 0:
         from pipeline.queue.rundir import open_run
@@ -124,15 +131,32 @@ def run_trainer(run_dir: Path, model_dir: Path,
         # them before the next optimizer step can change them (Trainer.push_weights).
         yield from iter_hf_weights(megatron_model, model_cfg)
 
+    export_full = None
+    base = None
+    if trainer.lora is not None:
+        from pipeline.consumers.megatron.lora_export import base_identity, iter_hf_adapters, iter_hf_merged
+
+        def export() -> Iterator[tuple[str, torch.Tensor]]:  # noqa: F811 - with LoRA the push carries adapters
+            yield from iter_hf_adapters(megatron_model, model_cfg)
+
+        def export_full() -> Iterator[tuple[str, torch.Tensor]]:
+            yield from iter_hf_merged(megatron_model, model_cfg)
+
+        base = base_identity(model_dir, cache=run_dir / "checkpoints" / "base-sha256.json") if rank == 0 else None
+        if dist.get_world_size() > 1:  # rank 0 reads the base once; every rank checks a resume against it
+            from pipeline.consumers.trainer.readers import broadcast_msgpack_from
+
+            base = broadcast_msgpack_from(base, 0, dist.new_group(backend="gloo"))
+
     settings = TrainerSettings(steps=trainer.steps, batch_groups=trainer.batch_groups,
                                checkpoint_every=trainer.checkpoint_every,
                                keep_checkpoints=trainer.keep_checkpoints, run_dir=run_dir,
-                               overlap_push=trainer.overlap_push, profile_steps=trainer.profile_steps)
+                               overlap_push=trainer.overlap_push, profile_steps=trainer.profile_steps, base=base)
     reader, reader_handle = _reader(run_dir, queue, trainer.fetch, None if lead is None else handle.queue)
     planner = None if lead is None else SharePlanner(ps.get_data_parallel_world_size(), trainer.fetch,
                                                      handle.queue)
     driver = Trainer(settings, model=megatron_model, optimizer=optimizer, step_fn=step, export_weights=export,
-                     lead=lead, loop=loop, dp_rank=ps.get_data_parallel_rank(),
+                     export_full=export_full, lead=lead, loop=loop, dp_rank=ps.get_data_parallel_rank(),
                      dp_size=ps.get_data_parallel_world_size(), owners=owners, reader=reader, planner=planner)
     try:
         driver.train()

@@ -46,6 +46,9 @@ class PushSteps:
     s: TrainerSettings
     lead: RankZero | None
     export_weights: Any
+    export_full: Any
+    """With LoRA: every weight with the adapters merged (held-out snapshots), while ``export_weights`` gives the
+    adapters alone; None otherwise."""
     version: int
     step: int
     owners: Owners | None
@@ -75,6 +78,14 @@ class PushSteps:
         lead = self.lead
         pusher = lead.pusher if lead is not None else None
         due = lead is not None and lead.snapshots is not None and lead.snapshots.due(version, final)
+        merged = None
+        if self.export_full is not None:
+            # LoRA: the engines get the adapters, a held-out snapshot the merged weights (collective, when due).
+            if self._distributed:
+                due = bool(self._share({"due": due})["due"])
+            if due:
+                merged = [(name, tensor.detach().clone()) for name, tensor in self.export_full()]
+            due = False
         if self.owners is not None:
             decided = self._share({"push": pusher is not None, "full": due,
                                    "dtype": pusher.dtype if pusher is not None else None})
@@ -85,18 +96,19 @@ class PushSteps:
         if self._distributed:
             streamed = bool(self._share({"streamed": streamed})["streamed"])  # rank 0 decides for every rank
         if streamed:
-            self._stream_push(pusher, version, final)
+            self._stream_push(pusher, version, final, merged)
             return
         weights = self._snapshot(pusher)  # collective: every rank iterates; only rank 0 gets tensors
         if lead is None:
             return
         self.version = version
         if overlap:
-            self._push_thread = threading.Thread(target=self._send, args=(lead, weights, version, self.step, final),
+            self._push_thread = threading.Thread(target=self._send,
+                                                 args=(lead, weights, version, self.step, final, merged),
                                                  name="weight-push", daemon=True)
             self._push_thread.start()
         else:
-            self._send(lead, weights, version, self.step, final)
+            self._send(lead, weights, version, self.step, final, merged)
             self.finish_push()
 
     def _push_from_owners(self, owners: Owners, version: int, overlap: bool, final: bool,
@@ -162,7 +174,8 @@ class PushSteps:
             return list(pusher.pack(self.export_weights()))
         return [(name, tensor.detach().clone()) for name, tensor in self.export_weights()]
 
-    def _stream_push(self, pusher: WeightPush | None, version: int, final: bool) -> None:
+    def _stream_push(self, pusher: WeightPush | None, version: int, final: bool,
+                     snapshot: list[Any] | None = None) -> None:
         """The streamed push, collective; ``pusher`` is rank 0's, None elsewhere. An attempt that failed because an
         engine did (the rotation rebuilt its group) is made again by every rank together, since only they together
         can export the weights again."""
@@ -189,24 +202,26 @@ class PushSteps:
         if error is not None:
             raise error
         self.version = version
-        self._confirmed(self.lead, version, self.step, final, start, None)
+        self._confirmed(self.lead, version, self.step, final, start, None, snapshot)
 
-    def _send(self, lead: RankZero, weights: list[Any], version: int, step: int, final: bool) -> None:
+    def _send(self, lead: RankZero, weights: list[Any], version: int, step: int, final: bool,
+              snapshot: list[Any] | None = None) -> None:
         start = time.perf_counter()
         try:
             if lead.pusher is not None:
                 self._loop.run_until_complete(lead.pusher.push(weights, version))
-            self._confirmed(lead, version, step, final, start, weights)
+            self._confirmed(lead, version, step, final, start, weights, snapshot)
         except BaseException as exc:  # re-raised on the trainer's thread by finish_push
             self._push_error = exc
 
     def _confirmed(self, lead: RankZero, version: int, step: int, final: bool, start: float,
-                   weights: list[Any] | None) -> None:
+                   weights: list[Any] | None, snapshot: list[Any] | None = None) -> None:
         """Every engine has ``version``: only now does the clock advance. A replay clock may have jumped ahead to a
         version seen in the data; the trainer follows it."""
         version = lead.clock.advance(at_least=version)
         self.version = max(self.version, version)
-        if lead.snapshots is not None and weights is not None:
+        weights = weights if snapshot is None else snapshot
+        if lead.snapshots is not None and weights is not None and (self.export_full is None or snapshot is not None):
             named = [t for b in weights for t in b.tensors()] if weights and isinstance(weights[0], PackedBucket) \
                 else weights
             lead.snapshots.maybe_write(version, named, final=final)

@@ -37,6 +37,8 @@ def parse_args(argv: list[str] | None = None) -> CpuEngineConfig:
                         help="package.module:function that adds user modules to the model (model.engine_patch)")
     parser.add_argument("--plugin-path", dest="plugin_paths", action="append", default=[],
                         help="folder --patch is imported from (repeatable)")
+    parser.add_argument("--lora", choices=["merge", "adapter"], default="merge",
+                        help="serve pushed LoRA adapters merged into the weights, or beside the base")
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     args = vars(parser.parse_args(argv))
     flag = args.pop("model_path_flag")

@@ -58,5 +58,8 @@ class CpuEngineConfig(BaseModel):
     knows are loaded after it ran."""
     plugin_paths: list[str] = []
     """Folders ``patch`` is imported from (the recipe's ``plugins.paths``)."""
+    lora: Literal["merge", "adapter"] = "merge"
+    """How pushed LoRA adapters (``*.lora_A.weight`` / ``*.lora_B.weight``) are served: merged into the weights, or
+    applied beside the base as SGLang does (``pipeline.producers.cpu_engine.lora``)."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Logging level of the engine process."""

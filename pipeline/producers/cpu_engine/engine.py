@@ -116,7 +116,7 @@ class Engine:
         if cfg.enable_return_routed_experts and self.generator.recorder is None:
             log.warning("--enable-return-routed-experts is ignored: the model has no MoE layers")
         self.scheduler = Scheduler(self.generator, cfg.max_batch)
-        self.weights = WeightLoader(self.model)
+        self.weights = WeightLoader(self.model, cfg.lora)
         self.groups: dict[str, TpWeightGroup] = {}
         self.update_window_open = False
         self.updated_in_window = False

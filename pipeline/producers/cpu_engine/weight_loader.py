@@ -31,7 +31,9 @@ import torch
 from torch import nn
 
 from pipeline.errors import EngineError, SyncError
+from pipeline.producers.cpu_engine.lora import EngineAdapters, LoRAServe
 from pipeline.sync.base import TensorMeta, check_announcement, dtype_name, validate_metas
+from pipeline.sync.lora_names import adapted_weight
 from pipeline.sync.weights import WeightGroup, receive_flat, receive_tensors
 
 
@@ -69,8 +71,10 @@ def _storage(t: torch.Tensor) -> int:
 class WeightLoader:
     """Checks weight-update announcements against the model and writes received tensors into it."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, lora: LoRAServe = "merge") -> None:
         self._targets = weight_targets(model)
+        self.adapters = EngineAdapters(model, self._targets, lora)
+        """LoRA adapters pushed by a trainer that trains them (``pipeline.producers.cpu_engine.lora``)."""
         self._expected = {
             name: TensorMeta(name=name, dtype=dtype_name(t.dtype), shape=tuple(t.shape))
             for name, t in self._targets.items()
@@ -99,8 +103,12 @@ class WeightLoader:
         """Raise EngineError if the announcement does not fit the model; nothing is received or changed."""
         try:
             metas = check_announcement(names, dtypes, shapes)
+            adapters = [m for m in metas if adapted_weight(m.name) is not None]
+            problems = [p for m in adapters if (p := self.adapters.problem(m.name, m.shape)) is not None]
+            if problems:
+                raise SyncError("; ".join(problems[:3]))
             # The engine casts on load (a bf16 push into an fp32 engine is fine), so only names and shapes must match.
-            validate_metas(metas, self._expected, match_dtype=False)
+            validate_metas([m for m in metas if adapted_weight(m.name) is None], self._expected, match_dtype=False)
         except SyncError as exc:
             raise EngineError(str(exc)) from exc
 
@@ -142,6 +150,8 @@ class WeightLoader:
             return None
         targets = []
         for name, dtype, shape in zip(names, dtypes, shapes):
+            if adapted_weight(name) is not None:
+                return None  # kept apart and merged or hooked by ``apply``
             target = self._targets.get(name)
             if target is None or name not in self._expected or dtype != dtype_name(target.dtype):
                 return None
@@ -175,6 +185,8 @@ class WeightLoader:
         if on_issued is not None:
             on_issued()
         group.wait(works)
+        for name in names:
+            self.adapters.written(name)
         with self._pool_lock:
             self.bytes_in_place += sum(t.numel() * t.element_size() for t in targets)
         return list(zip(names, targets))
@@ -207,10 +219,17 @@ class WeightLoader:
             self._free = sorted(self._free, key=lambda b: -b.numel())[:4]
 
     def apply(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """Copy received tensors into the model (casting to the model's dtype); call between forward passes."""
+        """Copy received tensors into the model (casting to the model's dtype), and serve received LoRA adapters;
+        call between forward passes."""
+        touched: set[str] = set()
         with torch.no_grad():
             for name, tensor in tensors:
+                if adapted_weight(name) is not None:
+                    touched.add(self.adapters.receive(name, tensor))
+                    continue
                 self._targets[name].copy_(tensor)
+                self.adapters.written(name)
+        self.adapters.refresh(touched)
 
     def check_complete(self, names: Iterable[str]) -> None:
         """Raise EngineError unless tensors of these (known) names write every element of every model parameter."""
