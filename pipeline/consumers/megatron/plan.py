@@ -260,9 +260,10 @@ class MemoryPlan:
 
 def plan_memory(model: ModelConfig, layout: Layout, *, device: Literal["cuda", "cpu"], tokens: int,
                 kl_reference: bool, sync: SyncConfig | None = None, overlap_push: bool = True,
-                usable: int | None = None) -> MemoryPlan:
+                usable: int | None = None, trainable: float = 1.0) -> MemoryPlan:
     """The per-rank memory of training ``model`` under ``layout`` with micro-batches of ``tokens`` tokens, and of
-    pushing its weights; ``usable`` is the device memory a rank may fill (None: unknown)."""
+    pushing its weights; ``usable`` is the device memory a rank may fill (None: unknown). ``trainable`` is the
+    fraction of parameters that train (LoRA's adapters): gradients and optimizer state scale with it."""
     counts = count_parameters(model, layout)
     elem = _BYTES[model.dtype]
     params = counts.rank_total * elem
@@ -272,6 +273,7 @@ def plan_memory(model: ModelConfig, layout: Layout, *, device: Literal["cuda", "
     else:
         grads = counts.rank_total * elem
         optimizer = counts.rank_total * (8 + (4 if elem < 4 else 0))
+    grads, optimizer = int(grads * trainable), int(optimizer * trainable)
     reference = params if kl_reference else 0
     activations = activation_bytes(model, layout, tokens)
     training = params + grads + optimizer + reference + activations
@@ -341,13 +343,22 @@ def dry_run_plan(trainer: TrainerConfig, model: ModelSource, hardware: HardwareC
     tokens = (trainer.micro_batch_tokens
               or trainer.micro_batch_samples * (hw.seq_len or model_cfg.max_position_embeddings))
     usable = _usable(hw)
+    lora = None
+    if trainer.lora is not None:
+        from pipeline.consumers.megatron.lora_plan import format_lora, lora_counts
+
+        lora = lora_counts(model_cfg, trainer.lora, count_parameters(model_cfg, layout).total)
 
     def plan_with(sync: SyncConfig, overlap_push: bool) -> MemoryPlan:
         return plan_memory(model_cfg, layout, device=device, tokens=tokens, kl_reference=trainer.loss.kl_coef > 0,
-                           sync=sync, overlap_push=overlap_push, usable=usable)
+                           sync=sync, overlap_push=overlap_push, usable=usable,
+                           trainable=1.0 if lora is None else lora.trainer / lora.full)
 
     plan = plan_with(sync, trainer.overlap_push)
     text = format_plan(plan, model_cfg, source, hardware)
+    if lora is not None and trainer.lora is not None:
+        wire = _BYTES[model_cfg.dtype] if sync.dtype == "auto" else _BYTES[sync.dtype]
+        text += "\n" + "\n".join(format_lora(lora, trainer.lora, wire))
     overflow = _overflow(plan, hw)
     if not overflow:
         return text
