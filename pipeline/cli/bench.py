@@ -158,6 +158,11 @@ def register(sub: Any) -> None:
     p.add_argument("--json", action="store_true")
     add_dataclass_args(p, "pipeline.benchmarks.export_bytes", "ExportBytesParams")
     p.set_defaults(func=_summarized("pipeline.benchmarks.export_bytes", "ExportBytesParams", "run_export_bytes"))
+    p = bsub.add_parser("lora", help="LoRA against full fine-tuning of one recipe's model, in one run: step time, "
+                                     "optimizer state, trainable parameters and push bytes")
+    p.add_argument("--json", action="store_true")
+    add_dataclass_args(p, "pipeline.benchmarks.lora", "LoRABenchParams")
+    p.set_defaults(func=_summarized("pipeline.benchmarks.lora", "LoRABenchParams", "run_lora_bench"))
     p = bsub.add_parser("archive", help="the archive's lag behind a producer with one archiver process and with two "
                                         "(queue.archive.processes), in one run")
     p.add_argument("--json", action="store_true")

@@ -33,6 +33,7 @@ SURFACE = {
     "bench sync-sources": ([], ["--bucket-mb", "--engines", "--json", "--kill-trials", "--out", "--rounds",
                                 "--size-mb", "--sources"]),
     "bench export-bytes": ([], ["--ep", "--json", "--out"]),
+    "bench lora": ([], ["--full-lr", "--groups", "--json", "--out", "--rank", "--recipe", "--rounds"]),
     "bench archive": ([], ["--group-size", "--groups", "--json", "--layers", "--num-experts", "--out", "--processes",
                            "--prompt-tokens", "--redis-url", "--response-tokens", "--rounds", "--segment-samples",
                            "--templates", "--timeout-s", "--topk"]),
