@@ -50,12 +50,14 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     from pipeline.consumers.export import export_run
 
-    res = export_run(Path(args.run_dir), Path(args.to), args.step)
+    res = export_run(Path(args.run_dir), Path(args.to), args.step, adapter=args.adapter)
     out = {"folder": str(res.folder), "checkpoint": res.checkpoint.name, "step": res.step,
            "policy_version": res.policy_version}
     show(args, out, lambda o: print(f"exported {o['checkpoint']} (step {o['step']}, policy version "
-                                      f"{o['policy_version']}) to {o['folder']}: an HF folder; "
-                                      "AutoModelForCausalLM.from_pretrained loads it"))
+                                      f"{o['policy_version']}) to {o['folder']}: "
+                                      + ("a PEFT LoRA folder; peft.PeftModel.from_pretrained loads it onto the base"
+                                         if args.adapter else
+                                         "an HF folder; AutoModelForCausalLM.from_pretrained loads it")))
     return 0
 
 
@@ -78,5 +80,7 @@ def register(sub: Any) -> None:
     p.add_argument("--run-dir", required=True, help="the run folder")
     p.add_argument("--step", type=int, help="the checkpoint of this trainer step (default: the newest)")
     p.add_argument("--to", required=True, help="output folder (must not exist)")
+    p.add_argument("--adapter", action="store_true",
+                   help="a LoRA run: write its adapters as a PEFT folder instead of the merged model")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_export)

@@ -44,16 +44,31 @@ class CheckpointExporter:
     def __init__(self, model_dir: Path, *, run: RunConfig, model: ModelSource, trainer: TrainStepConfig) -> None:
         self.model_dir = model_dir
         self.seed, self.r3, self.spec = run.seed, trainer.r3, model.spec
+        self.lora = getattr(trainer, "lora", None)
         self._model: Any = None
         self._model_cfg: Any = None
 
-    def export(self, checkpoint: Path, out: Path) -> None:
-        from pipeline.consumers.megatron.checkpoint import load_checkpoint
+    def export(self, checkpoint: Path, out: Path, adapter: bool = False) -> None:
+        """The checkpoint as an HF folder in ``out`` (with LoRA: base and adapters merged), or with ``adapter`` the
+        LoRA adapters alone as a PEFT folder."""
+        from pipeline.consumers.megatron.checkpoint import check_base, load_checkpoint
         from pipeline.consumers.trainer.main import export_hf_model
 
+        if adapter and self.lora is None:
+            raise ConfigError("--adapter exports LoRA adapters, and this run trained every weight (no [trainer.lora])")
         if self._model is None:
             self._build()
+        if self.lora is not None:
+            from pipeline.consumers.megatron.lora_export import base_identity
+
+            check_base(checkpoint, base_identity(self.model_dir))
         load_checkpoint(checkpoint, self._model, None)
+        if adapter:
+            from pipeline.consumers.megatron.lora_export import write_peft_adapter
+
+            write_peft_adapter(self._model, self._model_cfg, rank=self.lora.rank, alpha=self.lora.alpha,
+                               targets=self.lora.targets, base_dir=self.model_dir, out=out)
+            return
         export_hf_model(self._model, self._model_cfg, self.model_dir, out)
 
     def _build(self) -> None:
@@ -69,6 +84,14 @@ class CheckpointExporter:
         # The trainer's model.spec too: its checkpoints hold the user modules' weights, and the export must carry them.
         self._model = build_gpt_model(self._model_cfg, ParallelConfig(), r3=self.r3, spec=self.spec,
                                       hf_config=hf_config)
+        if self.lora is not None:
+            # LoRA checkpoints hold the adapters alone: the frozen base comes from the folder the run started from.
+            from pipeline.consumers.megatron.convert import load_hf_into_megatron
+            from pipeline.consumers.megatron.lora import LoRASpec, apply_lora
+
+            load_hf_into_megatron(self._model, self.model_dir, self._model_cfg)
+            apply_lora(self._model, LoRASpec(rank=self.lora.rank, alpha=self.lora.alpha, targets=self.lora.targets),
+                       seed=self.seed)
 
     def close(self) -> None:
         if self._model is not None:
@@ -108,8 +131,9 @@ def _step_of(ckpt: Path) -> int:
     return int(ckpt.name.removeprefix(CHECKPOINT_PREFIX))
 
 
-def export_run(run_dir: Path, out: Path, step: int | None = None) -> ExportResult:
-    """Write the checkpoint of ``step`` (default: the newest) of the run in ``run_dir`` as an HF folder ``out``."""
+def export_run(run_dir: Path, out: Path, step: int | None = None, adapter: bool = False) -> ExportResult:
+    """Write the checkpoint of ``step`` (default: the newest) of the run in ``run_dir`` as an HF folder ``out`` (a
+    LoRA run's: base and adapters merged), or with ``adapter`` a LoRA run's adapters as a PEFT folder."""
     from pipeline.consumers.megatron.checkpoint import read_checkpoint_meta
 
     run_dir = Path(run_dir)
@@ -131,7 +155,7 @@ def export_run(run_dir: Path, out: Path, step: int | None = None) -> ExportResul
     shutil.rmtree(tmp, ignore_errors=True)
     exporter = CheckpointExporter(like, run=cfg.run, model=cfg.model, trainer=cfg.trainer)
     try:
-        exporter.export(ckpt, tmp)
+        exporter.export(ckpt, tmp, adapter=adapter)
     finally:
         exporter.close()
     result = ExportResult(out, ckpt, int(meta.get("step", _step_of(ckpt))), int(meta.get("policy_version", -1)))

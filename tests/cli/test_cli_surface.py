@@ -41,7 +41,7 @@ SURFACE = {
     "engine serve": (["model_dir", "engine_args"], []),
     "eval": ([], ["--checkpoints", "--group", "--heldout", "--json", "--redis", "--reset", "--run", "--run-dir", "--start",
                   "--until-idle"]),
-    "export": ([], ["--json", "--run-dir", "--step", "--to"]),  # HF export of a run's checkpoint
+    "export": ([], ["--adapter", "--json", "--run-dir", "--step", "--to"]),  # HF export of a run's checkpoint
     "model init-tiny": ([], ["--arch", "--out", "--seed", "--set"]),
     "plot": ([], ["--json", "--run-dir"]),  # PNG plots of any run
     "status": ([], ["--json", "--redis", "--run-dir", "--watch"]),  # the live view of any run

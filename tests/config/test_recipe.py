@@ -137,6 +137,20 @@ def test_the_lora_recipe_pushes_adapters_the_engine_serves_and_resumes_them(tmp_
     assert max(abs(r["mismatch_k3"]) for r in rows[8:]) < 1e-6  # the resumed adapters reached the engine too
     audit = _audit(run_dir)
     assert audit.committed_step == 10 and audit.duplicates == 0 and audit.lost == 0
+    # `sluice export`: the merged model; the recipe's expert adapters have no PEFT form, which --adapter says; and
+    # adapters never land on a base other than their own.
+    export = [sys.executable, "-m", "pipeline.cli", "export", "--run-dir", str(run_dir)]
+    r = subprocess.run([*export, "--to", str(tmp_path / "merged")], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0 and (tmp_path / "merged" / "model.safetensors").exists(), r.stderr[-2000:]
+    r = subprocess.run([*export, "--adapter", "--to", str(tmp_path / "peft")], cwd=ROOT, capture_output=True,
+                       text=True)
+    assert r.returncode != 0 and "no PEFT form" in r.stderr
+    weights = run_dir / "warmstart" / "model" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    r = subprocess.run([*export, "--to", str(tmp_path / "other")], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode != 0 and "adapters only mean something on their own base" in r.stderr
 
 
 def _windows(values: list[float], count: int = 10) -> list[float]:

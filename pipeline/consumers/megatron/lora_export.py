@@ -129,6 +129,32 @@ def adapter_bytes(mg_model: torch.nn.Module, model: ModelConfig) -> int:
     return sum(t.numel() * t.element_size() for _, t in iter_hf_adapters(mg_model, model))
 
 
+# ----------------------------------------------------------------------------------------------------- PEFT export
+def write_peft_adapter(mg_model: torch.nn.Module, model: ModelConfig, *, rank: int, alpha: float,
+                       targets: tuple[str, ...], base_dir: Path, out: Path) -> None:
+    """The adapters as a PEFT LoRA folder (``adapter_config.json``, ``adapter_model.safetensors``) that
+    ``peft.PeftModel.from_pretrained`` loads onto the HF model in ``base_dir``; collective, written on rank 0."""
+    from safetensors.torch import save_file
+
+    from pipeline.errors import ConfigError
+
+    experts = [t for t in targets if t.startswith("experts.")]
+    if experts:
+        raise ConfigError(f"trainer.lora.targets {experts}: transformers 5 keeps a layer's experts fused in one "
+                          "tensor, which PEFT's target_modules cannot address, so these adapters have no PEFT form; "
+                          "export the merged model instead (sluice export without --adapter)")
+    tensors = {f"base_model.model.{name}": tensor.detach().clone()  # q, k and v share A: one copy each
+               for name, tensor in iter_hf_adapters(mg_model, model, scaled=False)}
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0,
+              "target_modules": sorted(targets), "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+              "base_model_name_or_path": str(base_dir.resolve()), "use_rslora": False, "use_dora": False}
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=1, sort_keys=True) + "\n")
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+
+
 # ------------------------------------------------------------------------------------------------ the base's identity
 def base_identity(model_dir: Path, cache: Path | None = None) -> dict[str, Any]:
     """The base model adapters belong to: its folder and the SHA-256 of its safetensors files (names and contents,

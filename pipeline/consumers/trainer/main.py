@@ -363,8 +363,12 @@ def export_hf_model(model: Any, model_cfg: Any, like: Path, out: Path) -> None:
     from safetensors.torch import save_file
 
     from pipeline.consumers.megatron.convert import megatron_to_hf_state_dict
+    from pipeline.consumers.megatron.lora import lora_linears
+    from pipeline.consumers.megatron.lora_export import iter_hf_merged
 
-    state = megatron_to_hf_state_dict(model, model_cfg)
+    # With LoRA adapters the folder holds base + adapters merged: a plain model that serves what was trained.
+    state = dict(iter_hf_merged(model, model_cfg)) if lora_linears(model) else megatron_to_hf_state_dict(model,
+                                                                                                       model_cfg)
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     out.mkdir(parents=True, exist_ok=True)
