@@ -38,6 +38,11 @@ def test_shipped_recipes_validate(recipe: Path) -> None:
         (["warmstart.schedule.decay=square"], "warmstart.schedule.decay"),
         (["warmstart.path=data.parquet"], "warmstart.path: .*must be a .jsonl file"),
         (["warmstart.enabled=true", "engine.type=sglang", 'engine.urls=["http://x:1"]'], "SGLang servers serve"),
+        (['trainer.lora={targets=["qkv"]}'], r"trainer.lora.targets = \['qkv'\]: give one or more of"),
+        (['trainer.lora={targets=["q_proj", "q_proj"]}'], "names a target twice"),
+        (['trainer.lora={targets=["experts.down_proj"], serve="adapter"}'], "fused in one tensor"),
+        (["trainer.lora={rank=0}"], "trainer.lora.rank"),
+        (["trainer.lora={}", "engine.type=sglang", 'engine.urls=["http://x:1"]'], "adapter push to SGLang"),
     ],
 )
 def test_bad_recipes_are_refused_with_the_field_named(overrides: list[str], match: str) -> None:

@@ -136,3 +136,28 @@ def test_a_dry_run_needs_a_config_json_but_no_weights(tmp_path: Path, capsys: py
     (tmp_path / "config.json").write_text((ROOT / "recipes" / "models" / "deepseek-v3.json").read_text())
     code, out, err = _dry_run(recipe, capsys, f"model.path={json.dumps(str(tmp_path))}")
     assert code == 0 and f"from {tmp_path / 'config.json'}" in out, err
+
+
+def test_the_dry_run_prints_lora_ratios_and_refuses_targets_the_model_lacks() -> None:
+    from pipeline.consumers.megatron.plan import dry_run_plan, plan_model_config
+
+    attention = 'trainer.lora={rank=32, targets=["q_proj", "k_proj", "v_proj", "o_proj"]}'
+    cfg = load_config("recipes/gpu-qwen3-30b-a3b.toml", [attention, "engine.type=cpu", "engine.urls=[]",
+                                                          "engine.launch=false"])
+    text = dry_run_plan(cfg.trainer, cfg.model, cfg.hardware, cfg.sync)
+    # Qwen3-30B-A3B, 48 layers: rank 32 on q (2048 -> 4096), k and v (2048 -> 512 each), o (4096 -> 2048).
+    push = 48 * 32 * ((2048 + 4096) + 2 * (2048 + 512) + (4096 + 2048))
+    model_cfg, _ = plan_model_config(cfg.model, cfg.hardware)
+    assert (model_cfg.hidden_size, model_cfg.num_attention_heads, model_cfg.num_kv_heads) == (2048, 32, 4)
+    full_push = count_parameters(model_cfg, Layout(world_size=1, tp=1, ep=1)).total
+    assert f"push bytes / full = {push / full_push:.5f}" in text
+    assert "optimizer state / full = 0.0007" in text
+    full = load_config("recipes/gpu-qwen3-30b-a3b.toml")
+    plain = dry_run_plan(full.trainer, full.model, full.hardware, full.sync)
+    optimizer = [float(line.split()[1]) for t in (text, plain) for line in t.splitlines()
+                 if line.strip().startswith("optimizer")]
+    assert optimizer[0] < 0.01 * optimizer[1]  # Adam's state for the adapters alone
+    dense = load_config("recipes/gpu-qwen3-30b-a3b.toml", ['trainer.lora={targets=["gate_proj"]}', "engine.type=cpu",
+                                                          "engine.urls=[]", "engine.launch=false"])
+    with pytest.raises(ConfigError, match=r"\['gate_proj'\] match no layer"):
+        dry_run_plan(dense.trainer, dense.model, dense.hardware, dense.sync)
