@@ -25,6 +25,7 @@ from pipeline.consumers.megatron.lora import (  # noqa: E402
     lora_state_dict,
     merge_lora,
 )
+from pipeline.consumers.megatron.lora_export import iter_hf_adapters  # noqa: E402
 from pipeline.consumers.megatron.model import build_gpt_model, init_parallel  # noqa: E402
 from pipeline.consumers.rl.train_step import TrainStep  # noqa: E402
 from pipeline.errors import ConfigError  # noqa: E402
@@ -179,6 +180,8 @@ def _full_adapters(model: torch.nn.Module, tp: int) -> dict[str, torch.Tensor]:
 
 
 def _tp_run(folder: Path, tp: int) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    """Two steps at this TP size: the metrics, every adapter whole, and (prefixed ``push/``) the adapters as the push
+    exports them by HF name, gathered over TP to rank 0."""
     model_cfg = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()), dtype="float32")
     # SGD is linear in the gradient and the tight clip makes the step depend on the global norm across TP.
     cfg = TrainStepConfig(lr=1.0, micro_batch_samples=2, grad_clip=0.05, loss=LossConfig(entropy_coef=0.01))
@@ -188,6 +191,7 @@ def _tp_run(folder: Path, tp: int) -> tuple[dict[str, float], dict[str, torch.Te
     metrics = trainer.step(groups)
     metrics = {**metrics, **{f"again/{k}": v for k, v in trainer.step(groups).items()}}
     adapters = _full_adapters(trainer.model, tp)
+    adapters.update({f"push/{name}": t.clone() for name, t in iter_hf_adapters(trainer.model, model_cfg)})
     trainer.close()
     return metrics, adapters
 
@@ -215,6 +219,8 @@ def test_two_tp_ranks_train_the_single_rank_adapters(tmp_path: Path) -> None:
     finish_ranks(procs, timeout_s=240)
     got, metrics = load_file(str(out / "tp2.safetensors")), json.loads((out / "tp2.json").read_text())
     assert set(got) == set(ref)
+    # The push's export gathers each TP-split factor to rank 0 and splits fused linears by HF projection.
+    assert sum(k.startswith("push/") for k in ref) == 2 * 7 * 2  # A and B of 7 projections in each of 2 layers
     diff = max(float((got[k] - v).abs().max()) for k, v in ref.items())
     moved = max(float(v.abs().max()) for k, v in ref.items() if k.endswith("lora_b"))
     norms = (metrics["grad_norm"], ref_metrics["grad_norm"], metrics["again/grad_norm"], ref_metrics["again/grad_norm"])
