@@ -91,6 +91,7 @@ def run_lora_bench(params: LoRABenchParams) -> dict[str, Any]:
                       temperature=cfg.producer.sampling.temperature)
         groups = synthetic_groups(model_cfg, sizes, cfg.run.seed)
         if cfg.trainer.r3:
+            # The recorder follows the model built last; with a fresh adapter (B = 0) it routes as the base does.
             record_own_routing(steps["lora"].model, model_cfg, [s for g in groups for s in g], rows=64)
         seconds: dict[str, list[float]] = {"full": [], "lora": []}
         for round_ in range(params.rounds + 1):

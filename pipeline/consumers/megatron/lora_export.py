@@ -124,11 +124,6 @@ def iter_hf_merged(mg_model: torch.nn.Module, model: ModelConfig, *, dtype: torc
     yield from iter_hf_weights(mg_model, model, dtype=dtype, values=merge_lora(mg_model))
 
 
-def adapter_bytes(mg_model: torch.nn.Module, model: ModelConfig) -> int:
-    """Bytes of one push of the adapters in their own dtype (rank 0's count; 0 elsewhere)."""
-    return sum(t.numel() * t.element_size() for _, t in iter_hf_adapters(mg_model, model))
-
-
 # ----------------------------------------------------------------------------------------------------- PEFT export
 def write_peft_adapter(mg_model: torch.nn.Module, model: ModelConfig, *, rank: int, alpha: float,
                        targets: tuple[str, ...], base_dir: Path, out: Path) -> None:

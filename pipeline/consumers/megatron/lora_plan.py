@@ -14,6 +14,10 @@ from pipeline.config.trainer import LoRAConfig
 from pipeline.consumers.megatron.config import ModelConfig
 from pipeline.errors import ConfigError
 
+# The HF projections each megatron linear fuses (linear_qkv, linear_proj, linear_fc1, linear_fc2, and the experts').
+_FUSED = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",),
+          ("experts.gate_proj", "experts.up_proj"), ("experts.down_proj",))
+
 
 @dataclass(frozen=True)
 class LoRACounts:
@@ -57,12 +61,8 @@ def lora_counts(model: ModelConfig, lora: LoRAConfig, full: int) -> LoRACounts:
             fan_in, out = shapes[target]
             push += r * (fan_in + out) * (experts if target.startswith("experts.") else 1)
         # The trainer's fused linears: one A over the input, one B over every output row of the linear.
-        fused = [("qkv", ("q_proj", "k_proj", "v_proj")), ("proj", ("o_proj",)), ("fc1", ("gate_proj", "up_proj")),
-                 ("fc2", ("down_proj",)), ("experts.fc1", ("experts.gate_proj", "experts.up_proj")),
-                 ("experts.fc2", ("experts.down_proj",))]
-        for _, parts in fused:
-            hit = [p for p in parts if p in targeted]
-            if not hit:
+        for parts in _FUSED:
+            if not any(p in targeted for p in parts):
                 continue
             fan_in = shapes[parts[0]][0]
             rows = sum(shapes[p][1] for p in parts)
