@@ -7,7 +7,9 @@
 #   - torchvision: register its two fake ops only when its compiled ops loaded;
 #   - sgl_kernel: a stand-in package (tests/fixtures/sglang_cpu/sgl_kernel) with the one kernel the
 #     CPU path calls, in plain torch;
-#   - sglang: pin host memory for routed experts only when CUDA is available.
+#   - sglang: pin host memory for routed experts only when CUDA is available;
+#   - torch: pinned host memory is a no-op without an accelerator (SGLang's LoRA layers ask for it everywhere),
+#     through a module the environment's site-packages imports at start (tests/fixtures/sglang_cpu).
 #
 # Usage: bash scripts/sglang-cpu.sh            (env in ${SLUICE_SGLANG_ENV:-$HOME/.cache/sluice/sglang-cpu-0.5.23})
 # Re-running on a finished env does nothing; delete the env folder to rebuild it.
@@ -20,7 +22,9 @@ MARKER="$ENV_DIR/.sluice-sglang-cpu-complete"
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 FIXTURE="$REPO/tests/fixtures/sglang_cpu"
 
-if [ -f "$MARKER" ]; then
+# Bumped whenever the fixture's patches change: an environment built with older ones is brought up to date.
+FIXTURE_REV=2
+if [ -f "$MARKER" ] && grep -q "fixture $FIXTURE_REV " "$MARKER"; then
     echo "sglang-cpu: $ENV_DIR is already complete ($(cat "$MARKER")); nothing to do"
     exit 0
 fi
@@ -59,6 +63,8 @@ SITE="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 rm -rf "$SITE/sgl_kernel"
 cp -r "$FIXTURE/sgl_kernel" "$SITE/sgl_kernel"
 find "$SITE/sgl_kernel" -name '__pycache__' -prune -exec rm -rf {} +
+cp "$FIXTURE/sluice_cpu_pinned.py" "$SITE/sluice_cpu_pinned.py"
+echo "import sluice_cpu_pinned" > "$SITE/sluice-cpu-pinned.pth"
 
 # 4. The interpreter a user names as engine.python.
 WRAPPER="$ENV_DIR/bin/sglang-cpu-python"
@@ -79,10 +85,11 @@ sgl_kernel.assign_req_to_token_pool_cpu(
     torch.tensor([1]), req_to_token, torch.tensor([2]), torch.tensor([5]),
     torch.tensor([7, 8, 9], dtype=torch.int32), req_to_token.shape[1])
 assert req_to_token[1, 2:5].tolist() == [7, 8, 9], req_to_token
+assert torch.tensor([1], pin_memory=True).tolist() == [1] and torch.zeros(2).pin_memory().shape == (2,)
 print("sglang-cpu: smoke check passed (torch", torch.__version__, ")")
 CHECK
 
-echo "sglang 0.5.23 torch 2.13.0+cpu built $(date -u +%Y-%m-%dT%H:%M:%SZ)" > "$MARKER"
+echo "sglang 0.5.23 torch 2.13.0+cpu fixture $FIXTURE_REV built $(date -u +%Y-%m-%dT%H:%M:%SZ)" > "$MARKER"
 end=$(date +%s)
 echo "sglang-cpu: done in $((end - start)) s; env size $(du -sh "$ENV_DIR" | cut -f1)"
 echo "sglang-cpu: interpreter for engine.python: $WRAPPER"

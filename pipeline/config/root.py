@@ -240,9 +240,14 @@ class SluiceConfig(Strict):
                             "routed experts fused in one tensor per layer and applies adapters to single "
                             "projections only; use serve = 'merge' or drop the expert targets")
         if self.engine.type == "sglang":
-            problems.append("trainer.lora with engine.type = 'sglang': the adapter push to SGLang (its "
-                            "/load_lora_adapter route) is not built yet; use engine.type = 'cpu', or train every "
-                            "weight (remove [trainer.lora])")
+            if lora.serve != "adapter":
+                problems.append("trainer.lora.serve = 'merge' with engine.type = 'sglang': SGLang cannot merge a "
+                                "pushed adapter into the weights it serves; set trainer.lora.serve = 'adapter' (each "
+                                "push is loaded beside the base with /load_lora_adapter)")
+            if experts:
+                problems.append(f"trainer.lora.targets {experts} with engine.type = 'sglang': the push hands SGLang "
+                                "PEFT folders, and expert adapters have no PEFT form (transformers keeps a layer's "
+                                "experts in one fused tensor); drop the expert targets, or use engine.type = 'cpu'")
         return problems
 
     def _heldout_problems(self) -> list[str]:

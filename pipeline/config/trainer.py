@@ -319,7 +319,16 @@ class LoRAConfig(BaseModel):
     serve: Literal["merge", "adapter"] = "merge"
     """How engines take a pushed adapter. "merge": the engine writes base + (alpha / rank) * B @ A into the weights
     it serves (any target). "adapter": it keeps the base and adds the adapter's output beside each adapted
-    projection, as SGLang's --enable-lora does (sluice's CPU engine: attention and dense projections only)."""
+    projection, as SGLang's --enable-lora does (sluice's CPU engine: attention and dense projections only).
+    SGLang engines take "adapter" only: each push is a PEFT folder they load by name
+    (``pipeline.sync.adapter_push``)."""
+    keep_loaded: int = Field(default=3, ge=1, le=64)
+    """SGLang engines: adapter versions each engine keeps loaded (the newest and the ones before it, which requests
+    started before the last pushes still run under); older ones are unloaded. Managed engines get
+    ``--max-loras-per-batch`` one more than this."""
+    adapter_dir: str | None = None
+    """SGLang engines: the folder the pushed adapters are written to and the engines load them from; it must be the
+    same path on the trainer's and every engine's machine. Default: RUN_DIR/adapters."""
 
     @model_validator(mode="after")
     def _known_targets(self) -> LoRAConfig:

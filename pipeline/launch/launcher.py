@@ -295,6 +295,11 @@ def _sglang_spec(cfg: SluiceConfig, i: int, model_dir: Path, run_dir: Path, hold
     server = ["--model-path", str(model_dir.resolve()), "--weight-version", "0"]
     if cfg.producer.return_routed_experts:
         server.append("--enable-return-routed-experts")
+    lora = cfg.trainer.lora
+    if lora is not None and "--enable-lora" not in cfg.engine.launch_args:
+        # No adapter at start (version 0 is the base): SGLang then needs the rank and modules to size its buffers.
+        server += ["--enable-lora", "--max-lora-rank", str(lora.rank), "--lora-target-modules", *lora.targets,
+                   "--max-loras-per-batch", str(lora.keep_loaded + 1)]
     args = ["--module", cfg.engine.launch_module, "--host", "{node_ip}", "--port", "0", "--port-file", str(port_file)]
     if cfg.engine.python is not None:
         args += ["--python", cfg.engine.python]

@@ -40,6 +40,7 @@ def producer_main(run_dir: Path, name: str) -> None:
         model_dir=model_folder(cfg), producer=cfg.producer, prompts=cfg.prompts,
         pacing=PacingConfig(max_lag=cfg.staleness.max_lag, batch_groups=cfg.trainer.batch_groups),
         queue_capacity=cfg.queue.capacity, routing_codec=cfg.queue.routing_codec,
+        adapters=cfg.trainer.lora is not None and cfg.engine.type == "sglang",
     )
 
     async def main() -> None:

@@ -697,6 +697,8 @@ class ProducerSpec(BaseModel):
     """How ``put`` writes MoE routing (``pipeline.queue.codec``)."""
     request_timeout_s: float = Field(default=600.0, gt=0)
     """Longest wait for one /generate answer."""
+    adapters: bool = False
+    """LoRA on SGLang engines: each request names the adapter of the engine's version (``SGLangClient``)."""
 
 
 @asynccontextmanager
@@ -712,7 +714,8 @@ async def open_producer(spec: ProducerSpec) -> AsyncIterator[Producer]:
     redis_client = connect(spec.redis_url)
     # No per-client retry: the pool fails over to another engine at once instead of waiting out a dead one.
     shape = routed_experts_shape(spec.model_dir)
-    pool = EnginePool([SGLangClient(url, timeout=spec.request_timeout_s, retry=NO_RETRY, routed_experts_shape=shape)
+    pool = EnginePool([SGLangClient(url, timeout=spec.request_timeout_s, retry=NO_RETRY, routed_experts_shape=shape,
+                                    adapters=spec.adapters)
                        for url in spec.engine_urls])
     try:
         pacing = None if spec.pacing is None else Pacing(spec.pacing.max_lag, spec.pacing.batch_groups)

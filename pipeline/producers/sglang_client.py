@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import dataclasses
 import json
 import logging
 import random
@@ -29,6 +30,7 @@ from pipeline.errors import EngineError
 from pipeline.producers.base import GenerateResult, VersionSpan
 from pipeline.sync.base import EngineReply
 from pipeline.sync.lifecycle import Adoption, adopt_engines
+from pipeline.sync.lora_names import adapter_name, base_label
 
 _T = TypeVar("_T")
 log = logging.getLogger(__name__)
@@ -190,8 +192,12 @@ class SGLangClient:
         weight_timeout: float = 1800.0,
         retry: Retry | None = None,
         routed_experts_shape: tuple[int, int] | None = None,
+        adapters: bool = False,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        self.adapters = adapters
+        """LoRA on SGLang (``pipeline.sync.adapter_push``): each request names the adapter of the engine's label as
+        read just before it, and all its tokens carry that version."""
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self.health_timeout = health_timeout
@@ -290,14 +296,27 @@ class SGLangClient:
         shape = await self.routed_experts_shape() if return_routed_experts else None
         n = int(sampling_params.get("n", 1))
         keyed = await self._keys_prefix_cache()
-        if keyed:
+        if keyed or self.adapters:
             # The engine's version now, one cheap round trip before a generation of seconds: the last answer's would
             # be a push behind for the first request after every push (in a sync run, every group of a step).
             self._label = (await self.model_info()).weight_version
         for attempt in range(_KEY_ATTEMPTS):
             if keyed:
                 body["extra_key"] = self._cache_key()
-            answer = await self._post_generate(body)
+            label = self._label
+            if self.adapters:
+                body.pop("lora_path", None)
+                if not base_label(label):
+                    body["lora_path"] = adapter_name(label)
+            try:
+                answer = await self._post_generate(body)
+            except EngineRequestError as exc:
+                if not (self.adapters and "lora" in str(exc).lower() and attempt + 1 < _KEY_ATTEMPTS):
+                    raise
+                # The adapter was unloaded between the label's read and the request (two pushes went by): ask again.
+                self.key_retries += 1
+                self._label = (await self.model_info()).weight_version
+                continue
             if not isinstance(answer, (list, Mapping)):  # an HTML error page from a proxy, say
                 raise EngineError(f"engine {self.name} answered /generate with {_short(answer)[:200]!r}, not a JSON "
                                   "object; is it an SGLang-protocol engine?")
@@ -313,6 +332,8 @@ class SGLangClient:
                 )
                 for i, item in enumerate(items)
             ]
+            if self.adapters:
+                results = [_under_adapter(result, label) for result in results]
             if not keyed or self._keyed_right(body["extra_key"], results):
                 return results
             self.key_retries += 1
@@ -611,6 +632,18 @@ class SGLangClient:
         body = {"new_version": str(new_version), "abort_all_requests": abort_all_requests}
         return await self._weight_call("/update_weight_version", body)
 
+    async def load_lora_adapter(self, name: str, path: str) -> EngineReply:
+        """SGLang's ``/load_lora_adapter``: load the PEFT folder ``path`` (on the engine's machine) as ``name``."""
+        response = await self._request("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": path},
+                                       self.weight_timeout, accept_4xx=True)
+        return _lora_reply(response)
+
+    async def unload_lora_adapter(self, name: str, *, timeout: float | None = None) -> EngineReply:
+        """SGLang's ``/unload_lora_adapter``; it answers once the requests running under ``name`` have finished."""
+        response = await self._request("POST", "/unload_lora_adapter", {"lora_name": name},
+                                       timeout or self.weight_timeout, accept_4xx=True)
+        return _lora_reply(response)
+
     async def weight_group_probe(self, group_name: str, nbytes: int, *, prepare: bool = False) -> EngineReply:
         """sluice's CPU engine only (``sluice bench sync``): prepare a buffer of ``nbytes``, or receive one bare
         broadcast of that many bytes on the weight group and drop it."""
@@ -676,6 +709,24 @@ def _reply(response: _Response) -> EngineReply:
         success = response.status == 200
         message = "" if body is None else str(body).strip()
     return EngineReply(success=success and response.status == 200, message=message)
+
+
+def _lora_reply(response: _Response) -> EngineReply:
+    """SGLang's LoRA routes answer ``{"success", "error_message", "loaded_adapters"}``."""
+    body = response.body
+    if isinstance(body, Mapping):
+        message = str(body.get("error_message") or body.get("message") or "")
+        return EngineReply(success=bool(body.get("success")) and response.status == 200, message=message)
+    return _reply(response)
+
+
+def _under_adapter(result: GenerateResult, label: str) -> GenerateResult:
+    """Every token of a request that named an adapter came from that adapter's version (or the base's, version 0),
+    whatever the engine's label was when it answered."""
+    version = "0" if base_label(label) else label
+    length = len(result.output_ids)
+    spans = (VersionSpan(version, 0, length),) if length else ()
+    return dataclasses.replace(result, weight_versions=spans)
 
 
 _DTYPE_NAMES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "half": "float16",

@@ -9,6 +9,20 @@ from __future__ import annotations
 
 ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 
+ADAPTER_PREFIX = "sluice-v"
+"""The names SGLang engines load the pushed adapters under: ``sluice-v{version}`` (``pipeline.sync.adapter_push``)."""
+
+
+def adapter_name(version: str | int) -> str:
+    """The name version ``version``'s adapters are loaded under on every SGLang engine."""
+    return f"{ADAPTER_PREFIX}{version}"
+
+
+def base_label(label: str) -> bool:
+    """Whether an engine at weight version ``label`` serves its base alone: version 0 (the adapters start at B = 0,
+    so the base is version 0's policy) or a label SGLang gives before any update."""
+    return label in ("", "0", "default")
+
 
 def adapter_names(weight: str) -> tuple[str, str]:
     """The (A, B) names of the adapter on the HF weight ``weight`` (``....q_proj.weight``)."""

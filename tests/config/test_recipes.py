@@ -42,7 +42,10 @@ def test_shipped_recipes_validate(recipe: Path) -> None:
         (['trainer.lora={targets=["q_proj", "q_proj"]}'], "names a target twice"),
         (['trainer.lora={targets=["experts.down_proj"], serve="adapter"}'], "fused in one tensor"),
         (["trainer.lora={rank=0}"], "trainer.lora.rank"),
-        (["trainer.lora={}", "engine.type=sglang", 'engine.urls=["http://x:1"]'], "adapter push to SGLang"),
+        (["trainer.lora={}", "engine.type=sglang", 'engine.urls=["http://x:1"]'], "SGLang cannot merge"),
+        (['trainer.lora={serve="adapter", targets=["q_proj", "experts.up_proj"]}', "engine.type=sglang",
+          'engine.urls=["http://x:1"]'], r"\['experts.up_proj'\] with engine.type = 'sglang'.*no PEFT form"),
+        (['trainer.lora={keep_loaded=0}'], "trainer.lora.keep_loaded"),
     ],
 )
 def test_bad_recipes_are_refused_with_the_field_named(overrides: list[str], match: str) -> None:

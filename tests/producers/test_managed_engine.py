@@ -78,6 +78,25 @@ def test_launch_settings_are_checked_before_anything_starts() -> None:
     assert cfg.engine.launch_module == "sglang.launch_server"
 
 
+def test_a_managed_server_of_a_lora_run_is_started_to_load_its_adapters(tmp_path: Path) -> None:
+    from pipeline.launch.launcher import _sglang_spec
+
+    overrides = ["engine.type=sglang", "engine.launch=true", 'trainer.lora={rank=4, serve="adapter", keep_loaded=2}']
+    cmd = _sglang_spec(load_config(overrides=overrides), 0, tmp_path, tmp_path, False).cmd
+    server = cmd[cmd.index("--") + 1:]
+    at = server.index("--lora-target-modules")
+    assert server[at + 1:at + 5] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert server[server.index("--max-lora-rank") + 1] == "4" and "--enable-lora" in server
+    assert server[server.index("--max-loras-per-batch") + 1] == "3"  # requests under every kept version, and one
+    # Flags the recipe gives itself are left as they are.
+    own = load_config(overrides=[*overrides, 'engine.launch_args=["--enable-lora", "--max-lora-rank", "64"]'])
+    server = (cmd := _sglang_spec(own, 0, tmp_path, tmp_path, False).cmd)[cmd.index("--") + 1:]
+    assert server.count("--enable-lora") == 1 and "--lora-target-modules" not in server
+    assert load_config(overrides=["engine.type=sglang", "engine.launch=true"]).trainer.lora is None
+    assert "--enable-lora" not in _sglang_spec(load_config(overrides=["engine.type=sglang", "engine.launch=true"]),
+                                               0, tmp_path, tmp_path, False).cmd
+
+
 def test_the_wrapper_picks_a_free_port_on_its_host() -> None:
     port = free_port("127.0.0.1")
     import socket

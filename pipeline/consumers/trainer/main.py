@@ -23,7 +23,7 @@ from pipeline.config.queue import QueueConfig
 from pipeline.config.run import RunConfig
 from pipeline.config.staleness import StalenessConfig
 from pipeline.config.sync import SyncConfig
-from pipeline.config.trainer import TrainerConfig
+from pipeline.config.trainer import LoRAConfig, TrainerConfig
 from pipeline.consumers.trainer.drain import Drainer
 from pipeline.consumers.trainer.hooks import HookRunner
 from pipeline.consumers.trainer.ledger import Ledger
@@ -118,7 +118,9 @@ def run_trainer(run_dir: Path, model_dir: Path,
                          min_groups=ps.get_data_parallel_world_size())
         lead = RankZero(source=source, clock=RedisClock(handle.queue), ledger=ledger)
         members = engines() if callable(engines) else engines
-        if members:
+        if members and trainer.lora is not None and engine.type == "sglang":
+            lead.pusher = _adapter_pusher(trainer.lora, sync, members, run_dir, model_dir)
+        elif members:
             lead.pusher = loop.run_until_complete(_connect_pusher(
                 sync, members, run_dir, model_dir, sources=owners.lead if owners is not None else None))
         if heldout.enabled:
@@ -273,6 +275,33 @@ def _push_options(sync: SyncConfig, dtype: str | None) -> PushOptions:
                        flat=sync.wire == "flat", stall_timeout_s=sync.stall_timeout_s)
 
 
+def _adapter_pusher(lora: LoRAConfig, sync: SyncConfig, engines: Sequence[WeightUpdateEngine], run_dir: Path,
+                    model_dir: Path) -> WeightPush:
+    """LoRA on SGLang: each push is a PEFT folder the engines load beside their base
+    (``pipeline.sync.adapter_push``)."""
+    from pipeline.sync.adapter_push import AdapterPush
+
+    folder = Path(lora.adapter_dir) if lora.adapter_dir is not None else run_dir / "adapters"
+    return AdapterPush(engines, folder, base_dir=model_dir, keep=lora.keep_loaded,  # type: ignore[arg-type]
+                       timeout_s=sync.timeout_s, discover=_discover(run_dir))
+
+
+def _discover(run_dir: Path) -> Callable[[list[Any]], list[Any]] | None:
+    """The engines as engines.json lists them now (the launcher rewrites an engine's URL when a restart moved it),
+    keeping the clients of those that stayed."""
+    if not engines_path(run_dir).exists():
+        return None
+
+    def discover(known: list[Any]) -> list[Any]:
+        from pipeline.producers.sglang_client import SGLangClient
+
+        by_url = {e.name: e for e in known}
+        urls = [u.rstrip("/") for u in json.loads(engines_path(run_dir).read_text())]
+        return [by_url.get(url) or SGLangClient(url) for url in urls]
+
+    return discover
+
+
 async def _connect_pusher(sync: SyncConfig, engines: Sequence[WeightUpdateEngine], run_dir: Path,
                           model_dir: Path, sources: SourcesLead | None = None) -> WeightPush:
     """The push to the engines, routed around one that fails and re-syncing one that comes back
@@ -295,15 +324,7 @@ async def _connect_pusher(sync: SyncConfig, engines: Sequence[WeightUpdateEngine
             ranks_per_engine=ranks, options=_push_options(sync, dtype), sources=sources,
         )
 
-    def discover(known: list[WeightUpdateEngine]) -> list[WeightUpdateEngine]:
-        # engines.json is the launcher's: it rewrites an engine's URL when a restart put it on another node.
-        from pipeline.producers.sglang_client import SGLangClient
-
-        by_url = {e.name: e for e in known}
-        urls = [u.rstrip("/") for u in json.loads(engines_path(run_dir).read_text())]
-        return [by_url.get(url) or SGLangClient(url) for url in urls]
-
-    return await EngineRotation.start(engines, connect, discover if engines_path(run_dir).exists() else None)
+    return await EngineRotation.start(engines, connect, _discover(run_dir))
 
 
 def model_dtype(model_dir: Path) -> str | None:
