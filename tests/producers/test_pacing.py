@@ -154,6 +154,12 @@ def test_a_requeued_prompt_is_generated_again_until_max_requeues(
     assert PromptCursor(queue.redis, queue.run).position() >= 2
 
 
+def _tokens_generated(url: str) -> int:
+    import httpx
+
+    return int(httpx.get(f"{url}/get_load", timeout=10).json()["tokens_generated"])
+
+
 _DOOMED = """
 import asyncio, sys
 from pipeline.producers.producer import ProducerSpec, serve_producer
@@ -170,7 +176,7 @@ def test_a_killed_producers_in_flight_prompts_come_back(
     spec = ProducerSpec(
         name="doomed", run=queue.run, redis_url=redis_url, engine_urls=[engine.url], model_dir=model_dir,
         producer=ProducerConfig(group_size=2, concurrency=2, lease_ttl_s=1.0, admission_poll_s=0.01,
-                                sampling=SamplingConfig(max_new_tokens=400, ignore_eos=True)),
+                                sampling=SamplingConfig(max_new_tokens=900, ignore_eos=True)),
         pacing=PacingConfig(max_lag=pacing.max_lag, batch_groups=pacing.batch_groups),
     )  # fmt: skip
     log = open(tmp_path / "doomed.log", "wb")  # noqa: SIM115 - closed below
@@ -183,7 +189,12 @@ def test_a_killed_producers_in_flight_prompts_come_back(
             assert proc.poll() is None, (tmp_path / "doomed.log").read_text()[-2000:]
             assert time.monotonic() < deadline, "the doomed producer never had two groups in flight"
             time.sleep(0.05)
-        time.sleep(0.5)  # the generations are under way (400 tokens each: far from done)
+        # Killed once its generations are under way and far from done (900 tokens each): an idle machine decodes
+        # the tiny model's 2 x 2 sequences faster than any fixed wait would allow for.
+        start = _tokens_generated(engine.url)
+        while _tokens_generated(engine.url) < start + 8:
+            assert time.monotonic() < deadline, "the doomed producer's generations never started"
+            time.sleep(0.01)
         proc.send_signal(signal.SIGKILL)  # the process this test started
         proc.wait(30)
     finally:
