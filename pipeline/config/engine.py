@@ -32,6 +32,11 @@ class EngineConfig(Strict):
     and kernels, so it usually lives apart from sluice). None: sluice's own interpreter."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the CPU engine (bfloat16 reproduces the rollout/train mismatch R3 removes)."""
+    weight_dtype: Literal["auto", "fp8"] = "auto"
+    """"fp8": the engines store the projection weights in FP8 (float8_e4m3fn, 128 x 128 block scales) and quantize
+    their inputs per token group of 128, as FP8 inference does; the trainer quantizes each push on the way out, so it
+    carries about half a BF16 push's bytes (``pipeline.quant.fp8``). Embeddings, norms, the router and the LM head
+    keep ``dtype``. The CPU engine needs dtype float32 for it."""
     max_batch: int = Field(32, ge=1, le=4096)
     """Sequences one CPU engine decodes together."""
     startup_timeout_s: float = Field(120.0, gt=0)

@@ -168,6 +168,7 @@ class SluiceConfig(Strict):
                             "queue.redis_url")
         problems += self._heldout_problems()
         problems += self._lora_problems()
+        problems += self._fp8_problems()
         problems += self._plugin_problems()
         if self.warmstart.enabled and self.engine.type == "sglang" and not self.engine.launch:
             problems.append("warmstart.enabled with engine.type = 'sglang': SGLang servers serve the weights they were "
@@ -225,6 +226,26 @@ class SluiceConfig(Strict):
     def plugin_records(self) -> list[dict[str, str | None]]:
         """Each plug-in's import path, source file and SHA-256 (what ``RUN_DIR/plugins.json`` holds)."""
         return [plugins.record(ref, field=field).as_dict() for field, ref, _ in self.plugin_refs()]
+
+    def _fp8_problems(self) -> list[str]:
+        """FP8 rollout settings that could not work, refused before anything starts."""
+        if self.engine.weight_dtype != "fp8":
+            return []
+        problems = []
+        if self.engine.type == "cpu" and self.engine.dtype != "float32":
+            problems.append("engine.weight_dtype = 'fp8' with engine.dtype = 'bfloat16': the CPU engine computes in "
+                            "float32 from the FP8 values, as FP8 kernels accumulate; set engine.dtype = 'float32'")
+        if self.engine.type == "sglang":
+            problems.append("engine.weight_dtype = 'fp8' with engine.type = 'sglang': the FP8 push to SGLang (an FP8 "
+                            "checkpoint for the servers to start from, and their block-FP8 weight loader) is not built "
+                            "yet; use engine.type = 'cpu', or serve BF16")
+        if self.trainer.lora is not None:
+            problems.append("engine.weight_dtype = 'fp8' with [trainer.lora]: FP8 engines quantize whole weights, "
+                            "and a pushed adapter has nothing to merge into; remove one of the two")
+        if self.sync.wire != "flat":
+            problems.append("engine.weight_dtype = 'fp8' with sync.wire = 'tensors': gloo cannot broadcast float8 "
+                            "tensors, which travel as the bytes of flat buckets; set sync.wire = 'flat'")
+        return problems
 
     def _lora_problems(self) -> list[str]:
         """Adapters the engines could not serve, refused before anything starts (``--dry-run`` included)."""

@@ -280,6 +280,8 @@ def _cpu_engine_spec(cfg: SluiceConfig, i: int, model_dir: Path, run_dir: Path, 
         args.append("--hold-until-update")
     if cfg.trainer.lora is not None:
         args += ["--lora", cfg.trainer.lora.serve]
+    if cfg.engine.weight_dtype == "fp8":
+        args += ["--weight-dtype", "fp8"]
     args += engine_patch_args(cfg.model.engine_patch, cfg.plugins.paths)
     return _spec(cfg, "engine", f"engine-{i}", args, port_file=port_file, module="pipeline.producers.cpu_engine")
 

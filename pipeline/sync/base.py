@@ -31,6 +31,7 @@ DTYPE_ITEMSIZE: dict[str, int] = {
     "int64": 8,
     "int32": 4,
     "uint8": 1,
+    "float8_e4m3fn": 1,
 }
 
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeline.errors import SyncError
+from pipeline.quant.fp8 import FP8, SCALE_SUFFIX
 from pipeline.sync.base import DTYPE_ITEMSIZE, TensorMeta, dtype_name, torch_dtype, validate_metas
 
 FLAT_FORMAT = "flattened_bucket"
@@ -249,7 +250,10 @@ class BucketPacker:
         if name in self._seen:
             raise SyncError(f"weight {name!r} appears twice in one push; the exporter must yield each name once")
         self._seen.add(name)
-        dtype = self.dtype if self.dtype is not None and tensor.is_floating_point() else dtype_name(tensor.dtype)
+        # FP8 weights and their scales travel as they are: a cast would change what the engine serves.
+        exact = tensor.dtype == FP8 or name.endswith(SCALE_SUFFIX)
+        dtype = self.dtype if self.dtype is not None and tensor.is_floating_point() and not exact \
+            else dtype_name(tensor.dtype)
         meta = TensorMeta(name=name, dtype=dtype, shape=tuple(int(d) for d in tensor.shape))
         if self.expected is not None:
             validate_metas([meta], self.expected)
@@ -341,6 +345,8 @@ class BucketPacker:
         sends from."""
         if self.zero_copy_bytes is None or meta.nbytes < self.zero_copy_bytes:
             return None
+        if tensor.dtype == FP8:
+            return None  # a run of several goes out as tensors of their own dtype, which gloo cannot broadcast
         if str(tensor.dtype).removeprefix("torch.") != meta.dtype or not tensor.is_contiguous():
             return None
         if tensor.device != self.device:

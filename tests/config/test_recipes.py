@@ -46,6 +46,11 @@ def test_shipped_recipes_validate(recipe: Path) -> None:
         (['trainer.lora={serve="adapter", targets=["q_proj", "experts.up_proj"]}', "engine.type=sglang",
           'engine.urls=["http://x:1"]'], r"\['experts.up_proj'\] with engine.type = 'sglang'.*no PEFT form"),
         (['trainer.lora={keep_loaded=0}'], "trainer.lora.keep_loaded"),
+        (["engine.weight_dtype=fp8", "engine.dtype=bfloat16"], "computes in float32 from the FP8 values"),
+        (["engine.weight_dtype=fp8", "sync.wire=tensors"], "gloo cannot broadcast float8"),
+        (["engine.weight_dtype=fp8", "trainer.lora={}"], "FP8 engines quantize whole weights"),
+        (["engine.weight_dtype=fp8", "engine.type=sglang", 'engine.urls=["http://x:1"]'], "FP8 push to SGLang"),
+        (["engine.weight_dtype=fp16"], "engine.weight_dtype"),
     ],
 )
 def test_bad_recipes_are_refused_with_the_field_named(overrides: list[str], match: str) -> None:

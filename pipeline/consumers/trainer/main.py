@@ -7,7 +7,7 @@ import gc
 import json
 import logging
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -106,7 +106,9 @@ def run_trainer(run_dir: Path, model_dir: Path,
     rank = dist.get_rank()
     loop = asyncio.new_event_loop()
     # With LoRA the push is the adapters, from rank 0: the owners' push sends shards of the base.
-    owners = _owners(sync, megatron_model, model_cfg) if engines is not None and trainer.lora is None else None
+    fp8 = engine.weight_dtype == "fp8"
+    owners = _owners(sync, megatron_model, model_cfg, quantize=fp8) \
+        if engines is not None and trainer.lora is None else None
     lead: RankZero | None = None
     if rank == 0:
         from pipeline.queue.rundir import open_run
@@ -149,6 +151,16 @@ def run_trainer(run_dir: Path, model_dir: Path,
             from pipeline.consumers.trainer.readers import broadcast_msgpack_from
 
             base = broadcast_msgpack_from(base, 0, dist.new_group(backend="gloo"))
+    if fp8:
+        from pipeline.quant.fp8 import quantize_named
+
+        unquantized = export
+
+        def export() -> Iterator[tuple[str, torch.Tensor]]:  # noqa: F811 - FP8 engines get FP8 bytes and scales
+            yield from quantize_named(unquantized())
+
+        def export_full() -> Iterator[tuple[str, torch.Tensor]]:  # held-out snapshots: the trained weights
+            yield from unquantized()
 
     settings = TrainerSettings(steps=trainer.steps, batch_groups=trainer.batch_groups,
                                checkpoint_every=trainer.checkpoint_every,
@@ -227,9 +239,10 @@ def _reader(run_dir: Path, queue: QueueConfig, fetch: FetchMode, lead_queue: Sam
     return ShareReader(handle.queue, peers=peers, reader=reader), handle
 
 
-def _owners(sync: SyncConfig, megatron_model: Any, model_cfg: Any) -> Owners | None:
+def _owners(sync: SyncConfig, megatron_model: Any, model_cfg: Any, *, quantize: bool = False) -> Owners | None:
     """Every rank's part in a push from every owner (``sync.sources = "owners"``), or None where rank 0 sends all.
-    Collective: the control channel and the owner plan are made by every rank together."""
+    Collective: the control channel and the owner plan are made by every rank together. ``quantize``: each owner
+    sends its tensors as FP8 engines take them (``pipeline.quant.fp8.quantize_named``)."""
     import torch.distributed as dist
 
     from pipeline.consumers.megatron.owners import OwnedExport
@@ -242,9 +255,14 @@ def _owners(sync: SyncConfig, megatron_model: Any, model_cfg: Any) -> Owners | N
     if sync.sources != "owners" or dist.get_world_size() == 1:
         return None
     control = ControlChannel.create(sync.timeout_s)
-    export = OwnedExport(megatron_model, model_cfg)
+    owned = OwnedExport(megatron_model, model_cfg)
     backend = _weight_backend(sync)
-    device = _snapshot_device(sync, backend, export.share_bytes)
+    device = _snapshot_device(sync, backend, owned.share_bytes)
+    export: Callable[[], Iterable[tuple[str, torch.Tensor]]] = owned
+    if quantize:
+        from pipeline.quant.fp8 import quantize_named
+
+        export = lambda: quantize_named(owned())  # noqa: E731
     pool = SnapshotPool(sync.bucket_mb * 2**20 if sync.bucket_mb else DEFAULT_BUCKET_BYTES[backend], device)
     if control.rank == 0:
         return Owners(export=export, lead=SourcesLead(control), pool=pool)

@@ -47,8 +47,9 @@ class PushSteps:
     lead: RankZero | None
     export_weights: Any
     export_full: Any
-    """With LoRA: every weight with the adapters merged (held-out snapshots), while ``export_weights`` gives the
-    adapters alone; None otherwise."""
+    """What held-out snapshots hold when the push carries something else: with LoRA every weight with the adapters
+    merged (``export_weights`` gives the adapters alone), with FP8 engines the trained weights unquantized; None
+    otherwise."""
     version: int
     step: int
     owners: Owners | None
@@ -80,7 +81,7 @@ class PushSteps:
         due = lead is not None and lead.snapshots is not None and lead.snapshots.due(version, final)
         merged = None
         if self.export_full is not None:
-            # LoRA: the engines get the adapters, a held-out snapshot the merged weights (collective, when due).
+            # The engines get adapters or FP8 bytes, a held-out snapshot every weight as trained (collective, when due).
             if self._distributed:
                 due = bool(self._share({"due": due})["due"])
             if due:
@@ -90,7 +91,7 @@ class PushSteps:
             decided = self._share({"push": pusher is not None, "full": due,
                                    "dtype": pusher.dtype if pusher is not None else None})
             if decided["push"]:
-                self._push_from_owners(self.owners, version, overlap, final, decided)
+                self._push_from_owners(self.owners, version, overlap, final, decided, merged)
                 return
         streamed = not overlap and lead is not None and pusher is not None and not due
         if self._distributed:
@@ -112,7 +113,7 @@ class PushSteps:
             self.finish_push()
 
     def _push_from_owners(self, owners: Owners, version: int, overlap: bool, final: bool,
-                          decided: dict[str, Any]) -> None:
+                          decided: dict[str, Any], snapshot: list[Any] | None = None) -> None:
         """Every rank packs the tensors it owns (rank 0 packs the whole model when a held-out snapshot is due, as
         that needs every weight in one place), then sends them while the next step trains (``overlap``) or before
         it. Rank 0 leads: its pusher has the others send their shares and moves the engines' label once all have
@@ -129,7 +130,7 @@ class PushSteps:
             self.version = version
             step, sources = self.step, owners.lead
             target: Callable[[], None] = lambda: self._lead_sources(lead, sources, weights, version,  # noqa: E731
-                                                                    step, final)
+                                                                    step, final, snapshot)
         else:
             assert owners.sender is not None
             if decided["full"]:
@@ -147,8 +148,8 @@ class PushSteps:
             self.finish_push()
 
     def _lead_sources(self, lead: RankZero, sources: SourcesLead, weights: list[Any], version: int, step: int,
-                      final: bool) -> None:
-        self._send(lead, weights, version, step, final)
+                      final: bool, snapshot: list[Any] | None = None) -> None:
+        self._send(lead, weights, version, step, final, snapshot)
         try:
             self._loop.run_until_complete(sources.done())  # the others wait for it, landed or not
         except BaseException as exc:  # noqa: BLE001 - raised by finish_push, after the push's own error

@@ -39,6 +39,8 @@ def parse_args(argv: list[str] | None = None) -> CpuEngineConfig:
                         help="folder --patch is imported from (repeatable)")
     parser.add_argument("--lora", choices=["merge", "adapter"], default="merge",
                         help="serve pushed LoRA adapters merged into the weights, or beside the base")
+    parser.add_argument("--weight-dtype", choices=["auto", "fp8"], default="auto",
+                        help="fp8: projection weights in FP8 with 128x128 block scales, activations per token group")
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     args = vars(parser.parse_args(argv))
     flag = args.pop("model_path_flag")

@@ -61,5 +61,8 @@ class CpuEngineConfig(BaseModel):
     lora: Literal["merge", "adapter"] = "merge"
     """How pushed LoRA adapters (``*.lora_A.weight`` / ``*.lora_B.weight``) are served: merged into the weights, or
     applied beside the base as SGLang does (``pipeline.producers.cpu_engine.lora``)."""
+    weight_dtype: Literal["auto", "fp8"] = "auto"
+    """"fp8": projection weights stored as float8_e4m3fn with 128 x 128 block scales and inputs quantized per token
+    group of 128, as FP8 inference does (``pipeline.producers.cpu_engine.fp8``); needs dtype float32."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Logging level of the engine process."""

@@ -116,7 +116,7 @@ class Engine:
         if cfg.enable_return_routed_experts and self.generator.recorder is None:
             log.warning("--enable-return-routed-experts is ignored: the model has no MoE layers")
         self.scheduler = Scheduler(self.generator, cfg.max_batch)
-        self.weights = WeightLoader(self.model, cfg.lora)
+        self.weights = WeightLoader(self.model, cfg.lora, fp8=cfg.weight_dtype == "fp8")
         self.groups: dict[str, TpWeightGroup] = {}
         self.update_window_open = False
         self.updated_in_window = False
@@ -193,6 +193,7 @@ class Engine:
             "is_generation": True,
             "weight_version": self.generator.version,
             "dtype": self.cfg.dtype,
+            "weight_dtype": self.cfg.weight_dtype,
             "architectures": list(getattr(config, "architectures", None) or []),
             "vocab_size": self.vocab_size,
             "max_context_len": self.max_context_len,

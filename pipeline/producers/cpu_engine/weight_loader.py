@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from pipeline.errors import EngineError, SyncError
+from pipeline.producers.cpu_engine.fp8 import EngineFp8
 from pipeline.producers.cpu_engine.lora import EngineAdapters, LoRAServe
 from pipeline.sync.base import TensorMeta, check_announcement, dtype_name, validate_metas
 from pipeline.sync.lora_names import adapted_weight
@@ -71,8 +72,10 @@ def _storage(t: torch.Tensor) -> int:
 class WeightLoader:
     """Checks weight-update announcements against the model and writes received tensors into it."""
 
-    def __init__(self, model: nn.Module, lora: LoRAServe = "merge") -> None:
+    def __init__(self, model: nn.Module, lora: LoRAServe = "merge", *, fp8: bool = False) -> None:
         self._targets = weight_targets(model)
+        self.fp8 = EngineFp8(model, self._targets) if fp8 else None
+        """FP8 copies of the projection weights (``--weight-dtype fp8``): pushes of those names land there."""
         self.adapters = EngineAdapters(model, self._targets, lora)
         """LoRA adapters pushed by a trainer that trains them (``pipeline.producers.cpu_engine.lora``)."""
         self._expected = {
@@ -80,6 +83,8 @@ class WeightLoader:
             for name, t in self._targets.items()
             if t.is_floating_point()
         }
+        if self.fp8 is not None:
+            self._expected.update(self.fp8.metas())
         self._free: list[torch.Tensor] = []
         self._lent: list[torch.Tensor] = []
         self._pool_lock = threading.Lock()
@@ -152,7 +157,7 @@ class WeightLoader:
         for name, dtype, shape in zip(names, dtypes, shapes):
             if adapted_weight(name) is not None:
                 return None  # kept apart and merged or hooked by ``apply``
-            target = self._targets.get(name)
+            target = self._target(name)
             if target is None or name not in self._expected or dtype != dtype_name(target.dtype):
                 return None
             if tuple(target.shape) != tuple(int(d) for d in shape) or not target.is_contiguous():
@@ -187,9 +192,16 @@ class WeightLoader:
         group.wait(works)
         for name in names:
             self.adapters.written(name)
+            if self.fp8 is not None:
+                self.fp8.written(name)
         with self._pool_lock:
             self.bytes_in_place += sum(t.numel() * t.element_size() for t in targets)
         return list(zip(names, targets))
+
+    def _target(self, name: str) -> torch.Tensor | None:
+        if self.fp8 is not None and self.fp8.handles(name):
+            return self.fp8.storage(name)
+        return self._targets.get(name)
 
     def recycle(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """The buffer behind tensors from ``receive_flat`` is free again (no-op for others)."""
@@ -227,6 +239,9 @@ class WeightLoader:
                 if adapted_weight(name) is not None:
                     touched.add(self.adapters.receive(name, tensor))
                     continue
+                if self.fp8 is not None and self.fp8.handles(name):
+                    self.fp8.load(name, tensor)  # a float weight is quantized; FP8 bytes are kept as they came
+                    continue
                 self._targets[name].copy_(tensor)
                 self.adapters.written(name)
         self.adapters.refresh(touched)
@@ -235,7 +250,9 @@ class WeightLoader:
         """Raise EngineError unless tensors of these (known) names write every element of every model parameter."""
         written: dict[int, int] = {}
         for name in set(names):
-            target = self._targets[name]
+            target = self._targets.get(name)
+            if target is None:
+                continue  # an FP8 weight's scale: its weight counts for it
             written[_storage(target)] = written.get(_storage(target), 0) + target.numel()
         missing = [self._param_name[ptr] for ptr, numel in self._param_numel.items() if written.get(ptr, 0) < numel]
         if missing:

@@ -1,0 +1,1 @@
+"""Low-precision formats the engines serve and the push carries (``fp8``)."""
