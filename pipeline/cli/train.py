@@ -21,7 +21,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         print(dump_config(cfg))
         # raises, naming why, for a layout that cannot run or cannot fit
-        print(dry_run_plan(cfg.trainer, cfg.model, cfg.hardware, cfg.sync))
+        print(dry_run_plan(cfg.trainer, cfg.model, cfg.hardware, cfg.sync, fp8=cfg.engine.weight_dtype == "fp8"))
         return 0
     from pipeline.launch.launcher import run
     from pipeline.metrics import check_metrics_config

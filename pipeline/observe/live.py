@@ -54,6 +54,12 @@ class RunStatus:
     last_push_age_s: float | None
     idle_fraction: float | None
     window: int
+    mismatch_k3: float | None = None
+    """Mean over the window: k3 between the trainer's log-probs and the behaviour ones (precision gap + staleness)."""
+    capped_fraction: float | None = None
+    """Mean over the window: the share of tokens whose TIS weight was capped."""
+    agreement_no_replay: float | None = None
+    """Mean over the window: routing top-k agreement without replay (``trainer.measure_r3``)."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -142,7 +148,14 @@ def collect(run_dir: Path, queue: SampleQueue | None, total_steps: int, window: 
         heldout_greedy_pass1=newest.get("greedy_pass1"), heldout_sampled_pass1=newest.get("sampled_pass1"),
         lag_mean=_lag_mean(recent), lag_max=max((int(r.get("lag_max", 0)) for r in recent), default=None),
         queue_depth=depth, queue_pending=pending, dead_letters=dead, policy_version=version,
-        last_push_age_s=push_age, idle_fraction=rate["idle_fraction"] if rate else None, window=len(recent) or window)
+        last_push_age_s=push_age, idle_fraction=rate["idle_fraction"] if rate else None, window=len(recent) or window,
+        mismatch_k3=_mean(recent, "mismatch_k3"), capped_fraction=_mean(recent, "is_capped_fraction"),
+        agreement_no_replay=_mean(recent, "r3/agreement_no_replay"))
+
+
+def _mean(rows: list[dict[str, Any]], key: str) -> float | None:
+    values = [float(r[key]) for r in rows if r.get(key) is not None]
+    return sum(values) / len(values) if values else None
 
 
 def _f(x: float | None, fmt: str = ".3f", none: str = "-") -> str:
@@ -166,7 +179,8 @@ def plain_line(st: RunStatus) -> str:
             f"{_f(st.samples_per_s, '.1f')} samples/s, {_f(st.tokens_per_s, '.0f')} tokens/s, reward mean "
             f"{_f(st.reward_mean)}, held-out pass@1 {_f(st.heldout_greedy_pass1)}, lag mean {_f(st.lag_mean, '.2f')}, "
             f"queue {_f(st.queue_depth, 'd')}, dead letters {_f(st.dead_letters, 'd')}, last push "
-            f"{_duration(st.last_push_age_s)} ago, trainer idle {_f(st.idle_fraction, '.0%')}")
+            f"{_duration(st.last_push_age_s)} ago, trainer idle {_f(st.idle_fraction, '.0%')}, mismatch k3 "
+            f"{_f(st.mismatch_k3, '.2e')}")
 
 
 def panel(st: RunStatus) -> Any:
@@ -195,6 +209,10 @@ def panel(st: RunStatus) -> Any:
     grid.add_row("queue", f"{_f(st.queue_depth, 'd')} waiting, {_f(st.queue_pending, 'd')} pending commit, "
                  f"{_f(st.dead_letters, 'd')} dead letters")
     grid.add_row("policy version", f"{_f(st.policy_version, 'd')}, last push {push}")
+    mismatch = f"k3 {_f(st.mismatch_k3, '.2e')}, TIS-capped tokens {_f(st.capped_fraction, '.2%')}"
+    if st.agreement_no_replay is not None:
+        mismatch += f", routing agreement without replay {_f(st.agreement_no_replay, '.3f')}"
+    grid.add_row("mismatch", f"{mismatch} {w}")
     grid.add_row("trainer idle", f"{_f(st.idle_fraction, '.0%')} of the time waiting for data {w}")
     title = f"sluice · {st.run}" + ("" if st.step is not None else " · waiting for the first trainer step")
     return Panel(grid, title=title, title_align="left", border_style="blue", expand=False)

@@ -5,7 +5,9 @@
   the step each evaluated policy version was pushed;
 - ``lag.png``: the lag histogram over time: per step, the share of trained groups at each lag (versions behind);
 - ``mismatch.png``: the rollout/train log-prob mismatch (k3) with R3 (the routing replayed) and without it, where
-  the trainer measured it (``trainer.measure_r3``); a missing series is named in the plot, not drawn as zeros;
+  the trainer measured it (``trainer.measure_r3``); a missing series is named in the plot, not drawn as zeros. Below
+  it, what the mismatch does: the share of tokens whose TIS weight was capped, and the routing disagreement without
+  replay (1 - top-k agreement);
 - ``throughput.png``: samples/s trained and generated, and the trainer's idle fraction (waiting for data).
 
 Only what the files hold is drawn, so a plot of a live run is a plot of the run so far. matplotlib's object API
@@ -111,8 +113,8 @@ def plot_lag(rows: list[dict[str, Any]], out: Path) -> None:
 
 def plot_mismatch(rows: list[dict[str, Any]], out: Path) -> list[str]:
     """Draws what was measured; returns the notes about what was not."""
-    fig = _figure("rollout/train log-prob mismatch (k3 estimator of KL(rollout || train))")
-    ax = fig.add_subplot()
+    fig = _figure("rollout/train log-prob mismatch (k3 estimator of KL(rollout || train))", rows=2)
+    ax = fig.add_subplot(2, 1, 1)
     series = (("r3/mismatch_k3_replay", "tab:green", "with R3 (routing replayed)"),
               ("r3/mismatch_k3_no_replay", "tab:red", "without R3 (the trainer's own routing)"))
     notes = []
@@ -140,8 +142,29 @@ def plot_mismatch(rows: list[dict[str, Any]], out: Path) -> list[str]:
     ax.set_xlabel("trainer step")
     ax.set_ylabel("mismatch k3 (per token)")
     ax.grid(alpha=0.3)
+    _plot_mismatch_effects(fig.add_subplot(2, 1, 2), rows)
     fig.savefig(out, dpi=100)
     return notes
+
+
+def _plot_mismatch_effects(ax: Any, rows: list[dict[str, Any]]) -> None:
+    series = (("is_capped_fraction", "tab:purple", "tokens whose TIS weight was capped", False),
+              ("r3/agreement_no_replay", "tab:red", "routing disagreement without replay (1 - top-k agreement)", True))
+    drawn = False
+    for key, color, label, flip in series:
+        pts = [(r["step"], 1.0 - float(r[key]) if flip else float(r[key])) for r in rows if r.get(key) is not None]
+        if pts:
+            ax.plot(*zip(*pts), color=color, alpha=0.8, label=label)
+            drawn = True
+    if not drawn:
+        _note(ax, "no capped-weight share or routing agreement measured yet")
+        return
+    ax.set_yscale("symlog", linthresh=1e-4)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("trainer step")
+    ax.set_ylabel("share of tokens")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", fontsize=8)
 
 
 def plot_throughput(rows: list[dict[str, Any]], producers: dict[str, list[dict[str, Any]]], out: Path) -> None:

@@ -233,6 +233,18 @@ def test_tis_sequence_level_product_vs_geometric_mean() -> None:
     torch.testing.assert_close(geo.applied, torch.tensor([[2.0, 2.0]]))
 
 
+def test_the_capped_share_counts_the_tokens_tis_cut() -> None:
+    beh = lp(0.4, 0.2, 0.1)
+    prox = lp(0.1, 0.3, 0.3)  # w = 0.25, 1.5, 3: one of three above a cap of 2
+    cur = prox.clone().requires_grad_()
+    tis = policy_loss(cur, beh, torch.ones(1), ones_mask(cur), LossConfig(correction=CorrectionConfig(cap=2.0)),
+                      proximal=prox)
+    assert tis.metrics["is_capped_fraction"] == pytest.approx(1 / 3)
+    none = policy_loss(cur, beh, torch.ones(1), ones_mask(cur), LossConfig(correction=CorrectionConfig(type="none")),
+                       proximal=prox)
+    assert none.metrics["is_capped_fraction"] == 0.0
+
+
 def test_mis_token_level_masks_outside_bounds() -> None:
     beh = lp(0.4, 0.2, 0.1)
     prox = lp(0.1, 0.3, 0.3)  # w = 0.25, 1.5, 3

@@ -161,3 +161,20 @@ def test_the_dry_run_prints_lora_ratios_and_refuses_targets_the_model_lacks() ->
                                                           "engine.urls=[]", "engine.launch=false"])
     with pytest.raises(ConfigError, match=r"\['gate_proj'\] match no layer"):
         dry_run_plan(dense.trainer, dense.model, dense.hardware, dense.sync)
+
+
+def test_the_dry_run_prints_fp8_engine_memory_and_push_ratio() -> None:
+    from pipeline.consumers.megatron.plan import dry_run_plan, plan_model_config
+
+    cfg = load_config("recipes/gpu-qwen3-30b-a3b.toml")
+    text = dry_run_plan(cfg.trainer, cfg.model, cfg.hardware, cfg.sync)
+    model_cfg, _ = plan_model_config(cfg.model, cfg.hardware)
+    total = count_parameters(model_cfg, Layout(world_size=1, tp=1, ep=1)).total
+    # Qwen3-30B-A3B: per layer q 4096x2048, k and v 512x2048, o 2048x4096, and 128 experts of gate/up 768x2048 and
+    # down 2048x768; a float32 scale per 128 x 128 block; everything else (embeddings, head, norms, routers) BF16.
+    shapes = [(4096, 2048, 1), (512, 2048, 2), (2048, 4096, 1), (768, 2048, 256), (2048, 768, 128)]
+    fp8 = sum(n * (o * i + 4 * -(-o // 128) * -(-i // 128)) for o, i, n in shapes) * 48
+    projected = sum(n * o * i for o, i, n in shapes) * 48
+    ratio = (fp8 + 2 * (total - projected)) / (2 * total)
+    assert f"push bytes FP8 / BF16 = {ratio:.3f}" in text and 0.5 < ratio < 0.52
+    assert "with engine.weight_dtype = fp8: engine weights 29.03 GiB" in text

@@ -8,6 +8,7 @@ experts computed token by token. The engine must sample what that model computes
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import types
 from collections.abc import Iterator
@@ -20,6 +21,8 @@ import torch
 import transformers
 from torch import nn
 
+from pipeline.consumers.megatron.fp8_plan import fp8_bytes
+from pipeline.models.config import ModelConfig
 from pipeline.models.tiny import init_tiny_model
 from pipeline.producers.sglang_client import NO_RETRY, SGLangClient
 from pipeline.quant.fp8 import FP8, quantize_named
@@ -175,19 +178,19 @@ def test_a_quantizing_push_lands_the_same_fp8_bytes_on_every_engine(model_dir: P
     pushed = dict(quantize_named(sorted(load_file(str(new_dir / "model.safetensors")).items())))
     engines = [ServedEngine(model_dir, weight_dtype="fp8", enable_return_routed_experts=True) for _ in range(2)]
     try:
-        async def push() -> None:
+        async def push(weights: dict[str, torch.Tensor], version: int) -> int:
             clients = [SGLangClient(e.url, retry=NO_RETRY) for e in engines]
             # The floats go as bf16 on the wire; FP8 bytes and their scales travel as they are.
             pusher = await WeightPusher.connect(clients, master_address="127.0.0.1", backend="gloo", timeout_s=60,
                                                 options=PushOptions(dtype="bfloat16"))
             try:
-                await pusher.push(list(pushed.items()), 1)
+                return (await pusher.push(list(weights.items()), version)).bytes
             finally:
                 await pusher.close()
                 for client in clients:
                     await client.close()
 
-        asyncio.run(push())
+        fp8_bytes_pushed = asyncio.run(push(pushed, 1))
         for engine in engines:
             fp8 = engine.engine.weights.fp8
             assert fp8 is not None
@@ -201,6 +204,13 @@ def test_a_quantizing_push_lands_the_same_fp8_bytes_on_every_engine(model_dir: P
             assert result.weight_versions[0].version == "1"
             gap = np.abs(logprobs_of(reference, prompt, result.output_ids.tolist()) - result.output_logprobs).max()
             assert gap < 1e-4, gap
+        # The same weights unquantized, as a BF16 push carries them: the FP8 push's bytes against them are what
+        # --dry-run's arithmetic says (the engines quantize the floats on arrival).
+        bf16_bytes_pushed = asyncio.run(push(load_file(str(new_dir / "model.safetensors")), 2))
+        counts = fp8_bytes(ModelConfig.from_hf(json.loads((new_dir / "config.json").read_text())),
+                           sum(t.numel() for t in load_file(str(new_dir / "model.safetensors")).values()))
+        print(f"push bytes FP8 / BF16: {fp8_bytes_pushed / bf16_bytes_pushed:.4f}")
+        assert (fp8_bytes_pushed, bf16_bytes_pushed) == (counts.fp8, counts.bf16)
     finally:
         for engine in engines:
             engine.stop()

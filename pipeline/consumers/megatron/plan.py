@@ -326,7 +326,7 @@ def plan_model_config(model: ModelSource, hardware: HardwareConfig) -> tuple[Mod
 
 
 def dry_run_plan(trainer: TrainerConfig, model: ModelSource, hardware: HardwareConfig,
-                 sync: SyncConfig | None = None) -> str:
+                 sync: SyncConfig | None = None, *, fp8: bool = False) -> str:
     """The dry run's plan: the model, the layout and one rank's memory, the weight push's included; ConfigError for
     a layout that cannot run or cannot fit (every reason at once, and the settings that would make it fit)."""
     hw = hardware
@@ -359,6 +359,10 @@ def dry_run_plan(trainer: TrainerConfig, model: ModelSource, hardware: HardwareC
     if lora is not None and trainer.lora is not None:
         wire = _BYTES[model_cfg.dtype] if sync.dtype == "auto" else _BYTES[sync.dtype]
         text += "\n" + "\n".join(format_lora(lora, trainer.lora, wire))
+    if trainer.lora is None:
+        from pipeline.consumers.megatron.fp8_plan import format_fp8, fp8_bytes
+
+        text += "\n" + "\n".join(format_fp8(fp8_bytes(model_cfg, count_parameters(model_cfg, layout).total), fp8))
     overflow = _overflow(plan, hw)
     if not overflow:
         return text

@@ -407,6 +407,9 @@ def _diagnostics(
         "is_weight_max": float(raw_valid.max().item()),
         "is_weight_applied_mean": mean(weights.applied),
         "masked_fraction": mean((~weights.kept).float()),
+        # The share of tokens whose TIS weight the cap cut: what the correction did (0 for the other types).
+        "is_capped_fraction": mean((weights.raw > cfg.correction.cap).float()) if cfg.correction.type == "tis"
+        else 0.0,
     }
 
 

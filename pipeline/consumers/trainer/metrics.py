@@ -25,6 +25,7 @@ _TOKEN_MEANS = (
     "is_weight_mean",
     "is_weight_applied_mean",
     "masked_fraction",
+    "is_capped_fraction",
 )
 # Loss terms already divided by the global count: they add up over micro-batches and ranks.
 _ADDITIVE = ("loss", "pg_loss", "entropy", "kl_ref")
