@@ -23,55 +23,25 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from pipeline.quant.blocks import (
+    BLOCK,
+    FP8_PROJECTIONS,
+    QUANTIZATION_CONFIG,
+    SCALE_SUFFIX,
+    fp8_nbytes,
+    is_fp8_weight,
+    scale_name,
+    scale_of,
+    scale_shape,
+)
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 """The largest finite float8_e4m3fn value."""
-BLOCK = 128
-"""Weight blocks are BLOCK x BLOCK; activation groups are BLOCK features of one token."""
-SCALE_SUFFIX = "_scale_inv"
-"""``X.weight`` is dequantized with ``X.weight_scale_inv``."""
-QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                       "weight_block_size": [BLOCK, BLOCK]}
-"""config.json's ``quantization_config`` of an FP8 checkpoint in this layout (SGLang's ``Fp8Config`` reads it)."""
 
-FP8_PROJECTIONS = frozenset({
-    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-    "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
-})
-"""HF module names whose weights are FP8: attention (MHA and MLA) and MLP projections, routed, shared or dense."""
-
-
-def is_fp8_weight(name: str) -> bool:
-    """Whether the HF weight ``name`` is stored as FP8 (a projection's ``.weight``; never a router, an embedding,
-    a norm or the LM head)."""
-    if not name.endswith(".weight"):
-        return False
-    module = name[: -len(".weight")].rsplit(".", 1)[-1]
-    return module in FP8_PROJECTIONS
-
-
-def scale_name(weight: str) -> str:
-    """``X.weight`` -> ``X.weight_scale_inv``."""
-    return weight + SCALE_SUFFIX
-
-
-def scale_of(name: str) -> str | None:
-    """The weight a scale belongs to (``X.weight_scale_inv`` -> ``X.weight``), or None if ``name`` is not a scale."""
-    return name[: -len(SCALE_SUFFIX)] if name.endswith(SCALE_SUFFIX) else None
-
-
-def scale_shape(shape: tuple[int, ...] | torch.Size) -> tuple[int, int]:
-    """The block-scale shape of an ``[out, in]`` weight."""
-    out, inp = int(shape[-2]), int(shape[-1])
-    return math.ceil(out / BLOCK), math.ceil(inp / BLOCK)
-
-
-def fp8_nbytes(shape: tuple[int, ...] | torch.Size) -> int:
-    """Bytes of an FP8 weight and its block scales."""
-    rows, cols = scale_shape(shape)
-    return math.prod(int(d) for d in shape) + 4 * rows * cols
-
-
+__all__ = ["BLOCK", "FP8", "FP8_MAX", "FP8_PROJECTIONS", "QUANTIZATION_CONFIG", "SCALE_SUFFIX", "dequantize_weight",
+           "fake_quantize_activation", "fp8_linear", "fp8_nbytes", "is_fp8_weight", "quantize_activation",
+           "quantize_named", "quantize_weight", "scale_name", "scale_of", "scale_shape"]
 def _blocks(w: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     """``[out, in]`` zero-padded to whole blocks, as ``[rows, BLOCK, cols, BLOCK]`` float32."""
     out, inp = w.shape

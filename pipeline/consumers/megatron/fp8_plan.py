@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.consumers.megatron.config import ModelConfig
-from pipeline.quant.fp8 import fp8_nbytes
+from pipeline.quant.blocks import fp8_nbytes
 
 
 @dataclass(frozen=True)
