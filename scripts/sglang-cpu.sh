@@ -23,7 +23,7 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 FIXTURE="$REPO/tests/fixtures/sglang_cpu"
 
 # Bumped whenever the fixture's patches change: an environment built with older ones is brought up to date.
-FIXTURE_REV=2
+FIXTURE_REV=3
 if [ -f "$MARKER" ] && grep -q "fixture $FIXTURE_REV " "$MARKER"; then
     echo "sglang-cpu: $ENV_DIR is already complete ($(cat "$MARKER")); nothing to do"
     exit 0
