@@ -3,11 +3,13 @@
 #
 # This is a test fixture, not part of the `pipeline` package. SGLang does not start on a plain
 # x86_64 CPU as shipped (there is no CPU build of sgl_kernel on PyPI), so this script installs it
-# beside the CPU torch wheel and applies three small patches to the installed packages:
+# beside the CPU torch wheel and applies small patches to the installed packages:
 #   - torchvision: register its two fake ops only when its compiled ops loaded;
 #   - sgl_kernel: a stand-in package (tests/fixtures/sglang_cpu/sgl_kernel) with the one kernel the
 #     CPU path calls, in plain torch;
 #   - sglang: pin host memory for routed experts only when CUDA is available;
+#   - sglang FP8: block-FP8 layers run on the stand-in's torch FP8 kernels, and keep weight_scale_inv's weight
+#     loader after loading (SGLang's CPU branch drops it, failing every later weight update);
 #   - torch: pinned host memory is a no-op without an accelerator (SGLang's LoRA layers ask for it everywhere),
 #     through a module the environment's site-packages imports at start (tests/fixtures/sglang_cpu).
 #

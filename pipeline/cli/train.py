@@ -13,6 +13,16 @@ if TYPE_CHECKING:
     from pipeline.config import SluiceConfig
 
 
+def sglang_args(cfg: SluiceConfig) -> list[str] | None:
+    """The SGLang servers' flags as far as the recipe knows them (a managed engine's ``engine.launch_args``, else
+    ``hardware.sglang_launch``), or None when the engines are not SGLang."""
+    import shlex
+
+    if cfg.engine.type != "sglang":
+        return None
+    return [*cfg.engine.launch_args, *shlex.split(cfg.hardware.sglang_launch or "")]
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = load_recipe(args)
     if args.dry_run:
@@ -21,7 +31,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         print(dump_config(cfg))
         # raises, naming why, for a layout that cannot run or cannot fit
-        print(dry_run_plan(cfg.trainer, cfg.model, cfg.hardware, cfg.sync, fp8=cfg.engine.weight_dtype == "fp8"))
+        print(dry_run_plan(cfg.trainer, cfg.model, cfg.hardware, cfg.sync, fp8=cfg.engine.weight_dtype == "fp8",
+                          sglang_args=sglang_args(cfg)))
         return 0
     from pipeline.launch.launcher import run
     from pipeline.metrics import check_metrics_config

@@ -235,10 +235,6 @@ class SluiceConfig(Strict):
         if self.engine.type == "cpu" and self.engine.dtype != "float32":
             problems.append("engine.weight_dtype = 'fp8' with engine.dtype = 'bfloat16': the CPU engine computes in "
                             "float32 from the FP8 values, as FP8 kernels accumulate; set engine.dtype = 'float32'")
-        if self.engine.type == "sglang":
-            problems.append("engine.weight_dtype = 'fp8' with engine.type = 'sglang': the FP8 push to SGLang (an FP8 "
-                            "checkpoint for the servers to start from, and their block-FP8 weight loader) is not built "
-                            "yet; use engine.type = 'cpu', or serve BF16")
         if self.trainer.lora is not None:
             problems.append("engine.weight_dtype = 'fp8' with [trainer.lora]: FP8 engines quantize whole weights, "
                             "and a pushed adapter has nothing to merge into; remove one of the two")

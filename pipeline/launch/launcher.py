@@ -269,6 +269,17 @@ def launch_engines(cfg: SluiceConfig, sup: Supervisor, model_dir: Path, run_dir:
     return finish
 
 
+def serving_model_dir(cfg: SluiceConfig, model_dir: Path, run_dir: Path) -> Path:
+    """The folder SGLang engines start from (and are reloaded from at adoption): the model's own, or with
+    ``engine.weight_dtype = "fp8"`` an FP8 checkpoint of it in the run folder, since SGLang serves block FP8 only from
+    a checkpoint that says so (``pipeline.quant.checkpoint``). CPU engines quantize on load and take the model's."""
+    if cfg.engine.type != "sglang" or cfg.engine.weight_dtype != "fp8":
+        return model_dir
+    from pipeline.quant.checkpoint import ensure_fp8_checkpoint
+
+    return ensure_fp8_checkpoint(model_dir, run_dir / "engine-model-fp8")
+
+
 def _cpu_engine_spec(cfg: SluiceConfig, i: int, model_dir: Path, run_dir: Path, hold: bool) -> ProcessSpec:
     port_file = port_path(run_dir, f"engine-{i}")
     args = [str(model_dir.resolve()), "--host", "{node_ip}", "--port", "0", "--port-file", str(port_file),
@@ -479,7 +490,8 @@ def _start_children(cfg: SluiceConfig, sup: Supervisor, handle: RunHandle, model
     # The trainer ranks build their model while the engines load theirs: rank 0 waits for engines.json only when it
     # first needs the engines, and a file an earlier launch left must not be taken for this one's.
     engines_path(run_dir).unlink(missing_ok=True)
-    engines_up = launch_engines(cfg, sup, model_dir, run_dir, pause, hold=resuming)
+    serve_dir = serving_model_dir(cfg, model_dir, run_dir)
+    engines_up = launch_engines(cfg, sup, serve_dir, run_dir, pause, hold=resuming)
     start_trainers(cfg, sup, run_dir, placement)
     others = []
     if cfg.eval.enabled or (cfg.eval.heldout.enabled and cfg.eval.heldout.live):
@@ -492,7 +504,7 @@ def _start_children(cfg: SluiceConfig, sup: Supervisor, handle: RunHandle, model
     from pipeline.producers.sglang_client import adopt_engine_urls
 
     adopt_engine_urls(urls, version=handle.queue.policy_version(), fresh=not resuming,
-                      model_path=str(model_dir.resolve()))
+                      model_path=str(serve_dir.resolve()))
     write_engines(run_dir, urls)
     pause(0)
     sup.start([_spec(cfg, "producer", f"producer-{i}", ["producer", str(run_dir), f"producer-{i}"])

@@ -20,6 +20,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, Protocol, TypeVar
 
@@ -464,6 +465,25 @@ class SGLangClient:
         if found is None:
             found = _dtype_name((await self._server_info()).get("dtype"))
         return found
+
+    async def served_weight_dtype(self) -> str | None:
+        """"fp8" when the engine serves FP8 weights, "auto" when it serves unquantized ones, None when it cannot tell.
+        The CPU engine says so in ``/model_info``; SGLang by its ``--quantization``, else by the ``quantization_config``
+        of the checkpoint it serves, read where that folder is visible from here."""
+        info = await self.model_info()
+        said = info.raw.get("weight_dtype")
+        if isinstance(said, str):
+            return said
+        method = (await self._server_info()).get("quantization")
+        if method is None and info.model_path:
+            config = Path(info.model_path) / "config.json"
+            try:
+                method = (json.loads(config.read_text()).get("quantization_config") or {}).get("quant_method", "")
+            except (OSError, ValueError):
+                return None
+        if method is None:
+            return None
+        return "fp8" if str(method).startswith("fp8") else "auto" if not method else str(method)
 
     async def tp_size(self) -> int:
         """How many tensor-parallel ranks the engine has, each of which joins the weight group (1 if it does not

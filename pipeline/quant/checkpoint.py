@@ -48,22 +48,46 @@ def _source_stamp(src: Path) -> dict[str, Any]:
             "quantization_config": QUANTIZATION_CONFIG}
 
 
-def fp8_shape_problems(config: dict[str, Any]) -> list[str]:
-    """Why SGLang's block-FP8 layers could not hold this model: every projection's output partition (each of q, k and
-    v, gate and up) must be a multiple of the block size, as ``Fp8LinearMethod.create_weights`` requires."""
+def sglang_parallel(args: list[str]) -> tuple[int, int]:
+    """``(tp, ep)`` of an SGLang command line (``--tp``/``--tp-size``, ``--ep``/``--ep-size``; 1 when absent)."""
+    found = {"tp": 1, "ep": 1}
+    for i, arg in enumerate(args):
+        key, _, value = arg.partition("=")
+        kind = {"--tp": "tp", "--tp-size": "tp", "--ep": "ep", "--ep-size": "ep"}.get(key)
+        if kind is None:
+            continue
+        value = value or (args[i + 1] if i + 1 < len(args) else "")
+        if value.isdigit() and int(value) > 0:
+            found[kind] = int(value)
+    return found["tp"], found["ep"]
+
+
+def fp8_shape_problems(config: dict[str, Any], tp: int = 1, ep: int = 1) -> list[str]:
+    """Why SGLang's block-FP8 layers could not hold this model on ``tp`` ranks: every projection's output partition
+    (each of q, k and v, gate and up, per rank) and every row-parallel input partition must be whole 128-wide blocks,
+    as ``Fp8LinearMethod.create_weights`` and ``Fp8MoEMethod.create_weights`` require. Experts split by tensor
+    parallelism only where ``ep`` does not place them whole (SGLang's MoE TP size is ``tp / ep``)."""
     hidden = config.get("hidden_size")
     heads = config.get("num_attention_heads")
-    kv_heads = config.get("num_key_value_heads", heads)
+    kv_heads = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or (hidden // heads if hidden and heads else None)
-    sizes = {"hidden_size": hidden,
-             "num_attention_heads * head_dim": heads * head_dim if heads and head_dim else None,
-             "num_key_value_heads * head_dim": kv_heads * head_dim if kv_heads and head_dim else None,
-             "intermediate_size": config.get("intermediate_size"),
-             "moe_intermediate_size": config.get("moe_intermediate_size")}
-    if config.get("q_lora_rank") or config.get("kv_lora_rank"):  # MLA: its projections have their own sizes
-        sizes = {"hidden_size": hidden, "moe_intermediate_size": config.get("moe_intermediate_size")}
-    bad = {k: v for k, v in sizes.items() if isinstance(v, int) and v % BLOCK}
-    return [f"{k} = {v} is not a multiple of {BLOCK}" for k, v in bad.items()]
+    moe_tp = max(tp // max(ep, 1), 1)
+    sizes: dict[str, tuple[int | None, int]] = {"hidden_size": (hidden, 1)}
+    if not config.get("kv_lora_rank"):  # MLA projections have sizes of their own, which its FP8 releases fit
+        sizes["num_attention_heads * head_dim"] = (heads * head_dim if heads and head_dim else None, tp)
+        # A KV head is replicated, not split, once tp exceeds the KV heads.
+        sizes["num_key_value_heads * head_dim"] = (kv_heads * head_dim if kv_heads and head_dim else None,
+                                                   min(tp, kv_heads or 1))
+    sizes["intermediate_size"] = (config.get("intermediate_size"), tp)
+    sizes["moe_intermediate_size"] = (config.get("moe_intermediate_size"), moe_tp)
+    problems = []
+    for name, (size, parts) in sizes.items():
+        if not isinstance(size, int) or not size:
+            continue
+        if size % parts or (size // parts) % BLOCK:
+            where = f" / {parts} ranks = {size / parts:g}" if parts > 1 else ""
+            problems.append(f"{name} = {size}{where} is not a multiple of {BLOCK}")
+    return problems
 
 
 def write_fp8_checkpoint(src: Path, dst: Path) -> Path:

@@ -49,7 +49,6 @@ def test_shipped_recipes_validate(recipe: Path) -> None:
         (["engine.weight_dtype=fp8", "engine.dtype=bfloat16"], "computes in float32 from the FP8 values"),
         (["engine.weight_dtype=fp8", "sync.wire=tensors"], "gloo cannot broadcast float8"),
         (["engine.weight_dtype=fp8", "trainer.lora={}"], "FP8 engines quantize whole weights"),
-        (["engine.weight_dtype=fp8", "engine.type=sglang", 'engine.urls=["http://x:1"]'], "FP8 push to SGLang"),
         (["engine.weight_dtype=fp16"], "engine.weight_dtype"),
     ],
 )

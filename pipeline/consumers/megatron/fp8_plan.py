@@ -76,3 +76,20 @@ def _size(nbytes: int) -> str:
         if nbytes >= scale:
             return f"{nbytes / scale:.2f} {unit}"
     return f"{nbytes} B"
+
+
+
+def sglang_fp8_problems(model: ModelConfig, sglang_args: list[str]) -> list[str]:
+    """Why SGLang's block-FP8 layers could not hold this model with these server flags
+    (``pipeline.quant.checkpoint.fp8_shape_problems``)."""
+    from pipeline.quant.checkpoint import fp8_shape_problems, sglang_parallel
+
+    tp, ep = sglang_parallel(sglang_args)
+    config = {"hidden_size": model.hidden_size, "num_attention_heads": model.num_attention_heads,
+              "num_key_value_heads": model.num_kv_heads, "head_dim": model.head_dim,
+              "intermediate_size": model.ffn_hidden_size if model.first_dense_layers or not model.is_moe else None,
+              "moe_intermediate_size": model.moe_ffn_hidden_size or None,
+              "kv_lora_rank": model.mla.kv_lora_rank if model.mla is not None else None}
+    return [f"engine.weight_dtype = 'fp8' on SGLang (tp {tp}, ep {ep}): {p}; SGLang's block-FP8 layers need whole "
+            "128-wide blocks on every rank (serve with fewer TP ranks or with --ep-size, use engine.type = 'cpu', "
+            "or serve BF16)" for p in fp8_shape_problems(config, tp, ep)]

@@ -326,14 +326,19 @@ def plan_model_config(model: ModelSource, hardware: HardwareConfig) -> tuple[Mod
 
 
 def dry_run_plan(trainer: TrainerConfig, model: ModelSource, hardware: HardwareConfig,
-                 sync: SyncConfig | None = None, *, fp8: bool = False) -> str:
+                 sync: SyncConfig | None = None, *, fp8: bool = False, sglang_args: list[str] | None = None) -> str:
     """The dry run's plan: the model, the layout and one rank's memory, the weight push's included; ConfigError for
-    a layout that cannot run or cannot fit (every reason at once, and the settings that would make it fit)."""
+    a layout that cannot run or cannot fit (every reason at once, and the settings that would make it fit).
+    ``fp8`` with ``sglang_args`` (the servers' flags): SGLang serves block FP8, which constrains the model's shape."""
     hw = hardware
     sync = sync or SyncConfig()
     model_cfg, source = plan_model_config(model, hardware)
     layout = Layout(world_size=trainer.world_size, tp=trainer.tp, ep=trainer.ep)
     problems = gpu_layout_problems(model_cfg, layout)
+    if fp8 and sglang_args is not None:
+        from pipeline.consumers.megatron.fp8_plan import sglang_fp8_problems
+
+        problems += sglang_fp8_problems(model_cfg, sglang_args)
     if hw.trainer_nodes is not None and hw.trainer_nodes * hw.gpus_per_node != trainer.world_size:
         problems.append(f"hardware.trainer_nodes x gpus_per_node = {hw.trainer_nodes} x {hw.gpus_per_node} GPUs, "
                         f"but trainer.world_size = {trainer.world_size}")

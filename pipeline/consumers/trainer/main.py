@@ -124,7 +124,7 @@ def run_trainer(run_dir: Path, model_dir: Path,
             lead.pusher = _adapter_pusher(trainer.lora, sync, members, run_dir, model_dir)
         elif members:
             lead.pusher = loop.run_until_complete(_connect_pusher(
-                sync, members, run_dir, model_dir, sources=owners.lead if owners is not None else None))
+                sync, members, run_dir, model_dir, sources=owners.lead if owners is not None else None, fp8=fp8))
         if heldout.enabled:
             lead.snapshots = SnapshotWriter.for_run(run_dir, model_dir, heldout, lead.clock.get())
         lead.scalars = open_sinks(run_dir, "trainer", metrics, run.name)
@@ -321,11 +321,13 @@ def _discover(run_dir: Path) -> Callable[[list[Any]], list[Any]] | None:
 
 
 async def _connect_pusher(sync: SyncConfig, engines: Sequence[WeightUpdateEngine], run_dir: Path,
-                          model_dir: Path, sources: SourcesLead | None = None) -> WeightPush:
+                          model_dir: Path, sources: SourcesLead | None = None, fp8: bool = False) -> WeightPush:
     """The push to the engines, routed around one that fails and re-syncing one that comes back
-    (``pipeline.sync.rotation``), in the engines' dtype (``sync.dtype``)."""
+    (``pipeline.sync.rotation``), in the engines' dtype (``sync.dtype``); ``fp8``: the push carries FP8 bytes and
+    scales, which only engines serving FP8 may take (and they take nothing else)."""
     from pipeline.sync.pusher import WeightPusher, engines_dtype, engines_tp
     from pipeline.sync.rotation import EngineRotation
+    from pipeline.sync.served_dtype import check_served_weights
 
     backend = _weight_backend(sync)
     port = sync.master_port  # 0: the pusher binds a port of the OS's choosing, then tells the engines
@@ -333,6 +335,7 @@ async def _connect_pusher(sync: SyncConfig, engines: Sequence[WeightUpdateEngine
     address = os.environ.get("SLUICE_NODE_IP", "127.0.0.1")
 
     async def connect(members: list[WeightUpdateEngine]) -> WeightPusher:
+        await check_served_weights(members, fp8)
         # Asked again at every rebuild: an engine that came back may have been started with another dtype.
         dtype = sync.dtype if sync.dtype != "auto" else await engines_dtype(members, model_dtype(model_dir))
         # Every TP rank of an engine joins the group: ranks 1 + sum(tp before it) on, world 1 + sum(tp).
