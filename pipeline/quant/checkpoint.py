@@ -1,4 +1,4 @@
-"""An FP8 checkpoint for SGLang to start from: an HF model folder's weights in the block format of ``pipeline.quant.fp8``.
+"""An FP8 checkpoint for SGLang to start from: an HF model folder in the block format of ``pipeline.quant.fp8``.
 
 SGLang 0.5.23 serves block FP8 only from a checkpoint that says so: config.json's ``quantization_config`` with
 ``weight_block_size`` selects its ``Fp8Config`` with block quantization, whose layers hold each projection's weight as
