@@ -36,7 +36,8 @@ class EngineConfig(Strict):
     """"fp8": the engines store the projection weights in FP8 (float8_e4m3fn, 128 x 128 block scales) and quantize
     their inputs per token group of 128, as FP8 inference does; the trainer quantizes each push on the way out, so it
     carries about half a BF16 push's bytes (``pipeline.quant.fp8``). Embeddings, norms, the router and the LM head
-    keep ``dtype``. The CPU engine needs dtype float32 for it."""
+    keep ``dtype``. The CPU engine needs dtype float32 for it. SGLang engines serve an FP8 checkpoint of the model
+    (``pipeline.quant.checkpoint``: managed ones get it in the run folder), with SGLang's own FP8 kernels."""
     max_batch: int = Field(32, ge=1, le=4096)
     """Sequences one CPU engine decodes together."""
     startup_timeout_s: float = Field(120.0, gt=0)
