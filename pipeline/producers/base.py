@@ -1,7 +1,7 @@
 """The boundary between producers and rollout engines: what a generation returns and what an engine client offers.
 
-``SGLangClient`` (one engine) and ``EnginePool`` (several, least-loaded first) in ``pipeline.producers.sglang_client``
-both satisfy ``EngineClient``; the producer loop depends only on this protocol.
+``SGLangClient`` (one engine, ``pipeline.producers.sglang_client``) and ``EnginePool`` (several, least-loaded first,
+``pipeline.producers.engine_pool``) both satisfy ``EngineClient``; the producer loop depends only on this protocol.
 """
 
 from __future__ import annotations

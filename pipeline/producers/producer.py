@@ -33,9 +33,10 @@ from pipeline.data.prompts import Prompt, PromptSource, setup_prompts
 from pipeline.errors import ConfigError, EngineError, SampleError
 from pipeline.producers.base import EngineClient
 from pipeline.producers.cursor import PromptCursor
+from pipeline.producers.engine_pool import EnginePool
 from pipeline.producers.rewards import RewardFn, RewardOutcome, RewardScorer, SampleScorer, setup_scorer
 from pipeline.producers.rollout import RolloutContext, RolloutEngine, RolloutFn, TextCodec, Trajectory, single_turn
-from pipeline.producers.sglang_client import NO_RETRY, EnginePool, EngineRequestError, SGLangClient
+from pipeline.producers.sglang_client import NO_RETRY, EngineRequestError, SGLangClient
 from pipeline.queue.keys import RunKeys, parse_slot_item
 from pipeline.queue.redis_streams import SampleQueue
 from pipeline.queue.sample import Sample, SampleStatus, SamplingInfo, compact_routing

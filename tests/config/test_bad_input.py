@@ -27,8 +27,9 @@ from pipeline.config import load_config
 from pipeline.config.producer import ProducerConfig, SamplingConfig
 from pipeline.data.prompts import synthetic
 from pipeline.errors import ConfigError
+from pipeline.producers.engine_pool import EnginePool
 from pipeline.producers.producer import Producer, load_tokenize, read_num_experts
-from pipeline.producers.sglang_client import NO_RETRY, EnginePool, ExponentialBackoff, Retry, SGLangClient
+from pipeline.producers.sglang_client import NO_RETRY, ExponentialBackoff, Retry, SGLangClient
 from pipeline.queue.archive import ArchiveReader, load_index
 from pipeline.queue.codec import encode_samples
 from pipeline.queue.redis_streams import SampleQueue

@@ -22,8 +22,9 @@ from pipeline.config.producer import ProducerConfig, SamplingConfig
 from pipeline.data.prompts import ListPrompts, Prompt, synthetic
 from pipeline.producers.base import GenerateResult
 from pipeline.producers.cursor import PromptCursor
+from pipeline.producers.engine_pool import EnginePool
 from pipeline.producers.producer import Pacing, Producer, load_tokenize, read_num_experts
-from pipeline.producers.sglang_client import NO_RETRY, EnginePool, ExponentialBackoff, SGLangClient
+from pipeline.producers.sglang_client import NO_RETRY, ExponentialBackoff, SGLangClient
 from pipeline.queue.redis_streams import SampleQueue
 from pipeline.queue.sample import Sample, SampleStatus
 from tests.helpers.engines import EngineProcess, free_port, start_engine

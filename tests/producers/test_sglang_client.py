@@ -22,9 +22,9 @@ import pytest
 from aiohttp import web
 
 from pipeline.errors import EngineError
+from pipeline.producers.engine_pool import EnginePool
 from pipeline.producers.sglang_client import (
     NO_RETRY,
-    EnginePool,
     EngineRequestError,
     EngineUnavailableError,
     ExponentialBackoff,
