@@ -141,7 +141,7 @@ def ensure_fp8_checkpoint(src: Path, dst: Path) -> Path:
     marker = Path(dst) / MARKER
     if marker.is_file():
         try:
-            if json.loads(marker.read_text()) == json.loads(json.dumps(_source_stamp(Path(src)))):
+            if json.loads(marker.read_text()) == _source_stamp(Path(src)):
                 return Path(dst)
         except (OSError, ValueError):
             pass

@@ -3,7 +3,8 @@ to unquantized ones.
 
 Either mismatch loads without an error and serves garbage: SGLang copies pushed floats into its float8 parameters as
 they are (no scaling), and an unquantized engine has no ``weight_scale_inv`` to take the scales. So every engine is
-asked before the first push to it (``served_weight_dtype``); one that cannot tell is trusted, with a warning.
+asked before the first push to it (``served_weight_dtype``); one that cannot tell is trusted (with a warning
+when the push is FP8).
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ async def check_served_weights(engines: Sequence[Any], fp8: bool) -> None:
     for engine, dtype in zip(asks, said):
         name = getattr(engine, "name", repr(engine))
         if dtype is None:
-            log.warning("engine %s does not say whether it serves FP8 weights; the push sends %s", name,
-                        "FP8 bytes and block scales" if fp8 else "floats")
+            if fp8:  # a float push to an engine that cannot tell is the ordinary case, not worth a warning
+                log.warning("engine %s does not say whether it serves FP8 weights; the push sends FP8 bytes and "
+                            "block scales", name)
         elif fp8 and dtype != "fp8":
             raise ConfigError(
                 f"engine.weight_dtype = 'fp8', but engine {name} serves unquantized weights: the pushed block "

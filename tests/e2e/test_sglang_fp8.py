@@ -31,7 +31,14 @@ from pipeline.models.tiny import init_tiny_model
 from pipeline.producers.sglang_client import SGLangClient
 from pipeline.quant.checkpoint import MARKER, write_fp8_checkpoint
 from pipeline.sync.served_dtype import check_served_weights
-from tests.helpers.sglang_server import SGLangServer, require_sglang, sluice_run, start_server, weight_version
+from tests.helpers.sglang_server import (
+    SGLangServer,
+    assert_clean_run,
+    require_sglang,
+    sluice_run,
+    start_server,
+    weight_version,
+)
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
@@ -212,12 +219,7 @@ def test_a_sync_fp8_run_on_sglang_pushes_fp8_each_step_and_samples_under_it(
         'plugins.paths=["tests/fixtures"]', "producer.reward=user_rewards:length_reward",
     ], steps=STEPS, timeout=RUN_TIMEOUT_S, log=tmp_path / "launcher.log")
     print(f"sluice run: {time.monotonic() - started:.1f} s, audit {run.ledger}")
-    assert not run.hung, f"the run hung (still running after {RUN_TIMEOUT_S:.0f} s):\n{run.tail()}"
-    assert run.returncode == 0, run.tail()
-    assert not run.left_behind, run.left_behind
-    assert [int(e["version"]) for e in run.pushes] == list(range(1, STEPS + 1)), run.pushes
-    assert run.audit is not None, run.audit_error
-    assert run.ledger["committed_step"] == STEPS and run.lost == 0 and run.duplicated == 0, run.audit
+    assert_clean_run(run, STEPS, RUN_TIMEOUT_S)
     assert (tmp_path / "run" / "engine-model-fp8" / MARKER).is_file()
     # On-policy, the gap between the trainer's float32 log-probs and the server's is FP8's alone, and it stays
     # bounded at every step: each push landed as FP8 weights with their scales.

@@ -22,6 +22,7 @@ from pipeline.producers.base import GenerateResult
 from pipeline.producers.sglang_client import SGLangClient, adopt_engine_urls
 from tests.helpers.sglang_server import (
     SGLangServer,
+    assert_clean_run,
     moe_shape,
     require_sglang,
     sluice_run,
@@ -163,17 +164,11 @@ def test_an_async_sluice_run_trains_the_served_model_and_pushes_every_step(
         "producer.concurrency=4",
     ], steps=STEPS, timeout=RUN_TIMEOUT_S, log=tmp_path / "launcher.log")
     print(f"sluice run: {run.seconds:.1f} s, pushes {run.pushes_landed}/{STEPS}, audit {run.ledger}")
-    assert not run.hung, f"the run hung (still running after {RUN_TIMEOUT_S:.0f} s):\n{run.tail()}"
-    assert run.returncode == 0, run.tail()
-    assert not run.left_behind, f"processes of the run still alive after it ended: {run.left_behind}"
-    # Every step's push reached the server, in order, and the version advanced once per step.
-    assert [int(e["version"]) for e in run.pushes] == list(range(1, STEPS + 1)), run.pushes
+    # Every step's push reached the server, in order; every sample accounted for exactly once.
+    assert_clean_run(run, STEPS, RUN_TIMEOUT_S)
     assert run.pushes_landed == STEPS, run.pushes
     assert [m["step"] for m in run.metrics] == list(range(1, STEPS + 1))
     assert run.metrics[-1]["policy_version"] == STEPS
-    # Every sample accounted for exactly once.
-    assert run.audit is not None, run.audit_error
-    assert run.ledger["committed_step"] == STEPS and run.lost == 0 and run.duplicated == 0, run.audit
     assert run.ledger["trained"] > 0
     # The trainer's log-probs are those of the weights the server sampled with (bf16 engine, fp32 trainer).
     k3 = [m["mismatch_k3"] for m in run.metrics if "mismatch_k3" in m]

@@ -390,6 +390,17 @@ def sluice_run(
     return result
 
 
+def assert_clean_run(run: RunResult, steps: int, timeout: float) -> None:
+    """A run that ended on its own, left no process behind, pushed every step's version in order and accounted for
+    every sample exactly once."""
+    assert not run.hung, f"the run hung (still running after {timeout:.0f} s):\n{run.tail()}"
+    assert run.returncode == 0, run.tail()
+    assert not run.left_behind, f"processes of the run still alive after it ended: {run.left_behind}"
+    assert [int(e["version"]) for e in run.pushes] == list(range(1, steps + 1)), run.pushes
+    assert run.audit is not None, run.audit_error
+    assert run.ledger["committed_step"] == steps and run.lost == 0 and run.duplicated == 0, run.audit
+
+
 def _read_outcome(result: RunResult, python: str) -> None:
     metrics = result.run_dir / "metrics" / "trainer.jsonl"
     if metrics.exists():

@@ -116,5 +116,7 @@ def test_the_push_goes_only_to_engines_serving_its_format(caplog: pytest.LogCapt
     with pytest.raises(ConfigError, match="engine-fp8 serves FP8 weights"):
         asyncio.run(check_served_weights([_Says("fp8")], fp8=False))
     with caplog.at_level("WARNING"):
+        asyncio.run(check_served_weights([_Says(None)], fp8=False))
+        assert "does not say" not in caplog.text  # floats to an engine that cannot tell: the ordinary case
         asyncio.run(check_served_weights([_Says(None)], fp8=True))
     assert "does not say whether it serves FP8" in caplog.text
